@@ -1,0 +1,155 @@
+"""``ds-chimera``: list, simulate, compare and plot pipeline schedules from the shell."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .schedules import registry
+from .sim.simulator import Costs, simulate
+
+
+def _schedule_options(cls, args, costs: Costs) -> dict:
+    """CLI flags that this schedule takes; a flag it does not take is an error unless defaulted."""
+    options = {}
+    for flag in ("chunks", "pipelines", "order"):
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        if flag not in cls.options:
+            raise ValueError(f"{cls.name}: unknown option {flag!r}; allowed options: "
+                             f"{', '.join(sorted(cls.options)) or 'none'}")
+        options[flag] = value
+    if "costs" in cls.options:
+        options["costs"] = costs
+    return options
+
+
+def _add_sim_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schedule", required=True, help="schedule name, or 'auto' to rank them all")
+    p.add_argument("--stages", type=int, required=True, help="pipeline ranks D")
+    p.add_argument("--micro-batches", type=int, required=True, help="micro-batches per step N")
+    p.add_argument("--chunks", type=int, help="chunks per rank V (interleaved, breadth-first)")
+    p.add_argument("--pipelines", type=int, help="Chimera: down (= up) pipelines f, f | D/2")
+    p.add_argument("--order", help="Chimera: auto, concat, forward-doubling or merged")
+    p.add_argument("--cost-fwd", type=float, default=1.0, help="forward cost per micro-batch and stage")
+    p.add_argument("--cost-bwd", type=float, default=2.0, help="full backward cost")
+    p.add_argument("--cost-wgrad", type=float, default=1.0, help="weight-grad share of the backward")
+    p.add_argument("--cost-comm", type=float, default=0.0, help="latency of one p2p message")
+    p.add_argument("--cost-allreduce", type=float, default=0.0, help="time of one stage's grad all-reduce")
+    p.add_argument("--max-activations", type=float, help="with --schedule auto: peak activation limit")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
+    p.add_argument("--plot", help="write a Gantt chart PNG here")
+
+
+def _simulate_one(name: str, args, costs: Costs):
+    cls = registry.get(name)
+    schedule = cls(args.stages, args.micro_batches, **_schedule_options(cls, args, costs))
+    result = simulate(schedule.lower(), costs, chunks_per_rank=schedule.chunks_per_rank)
+    result.weights_per_rank = schedule.weights_per_rank()
+    return schedule, result
+
+
+def cmd_schedules(args) -> int:
+    schedules = registry.available()
+    width = max(map(len, schedules))
+    for name, cls in sorted(schedules.items()):
+        origin = "" if cls.__module__.startswith("ds_chimera.") else f"  [{cls.__module__}]"
+        print(f"{name:<{width}}  {cls.summary}{origin}")
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    costs = Costs(args.cost_fwd, args.cost_bwd, args.cost_wgrad, args.cost_comm, args.cost_allreduce)
+    if args.schedule == "auto":
+        return _rank_all(args, costs)
+    schedule, result = _simulate_one(args.schedule, args, costs)
+    summary = result.summary()
+    if getattr(schedule, "order", None) and "order" in schedule.options:
+        summary["order"] = schedule.order
+    if args.trace:
+        from .sim.trace import write_trace
+        write_trace(args.trace, result.records, schedule.placement, label=schedule.name)
+    if args.plot:
+        from .sim.plot import plot_gantt
+        plot_gantt(result.records, schedule.placement, args.plot,
+                   title=f"{schedule.name} D={schedule.stages} N={schedule.micro_batches}"
+                         f"{' order=' + schedule.order if 'order' in schedule.options else ''}: "
+                         f"makespan {result.makespan:g}, bubble {result.bubble_ratio:.3f}")
+    if not args.json:
+        print(f"{schedule!r}")
+        print(f"  valid            {result.valid}")
+        print(f"  makespan         {result.makespan:g}   (ideal {result.ideal:g})")
+        print(f"  bubble ratio     {result.bubble_ratio:.4f}")
+        print(f"  busy per rank    {[round(b, 3) for b in result.busy]}")
+        print(f"  peak activations {[round(a, 3) for a in result.peak_activations]}")
+        print(f"  weights per rank {[round(w, 3) for w in result.weights_per_rank]}")
+        for err in result.errors[:10]:
+            print(f"  error: {err}")
+        for rank, why in result.deadlock.items():
+            print(f"  deadlock: rank {rank} {why}")
+    print(json.dumps(summary) if args.json else "", end="\n" if args.json else "")
+    return 0 if result.valid else 1
+
+
+def _rank_all(args, costs: Costs) -> int:
+    rows = []
+    for name, cls in sorted(registry.available().items()):
+        if not cls.synchronous:
+            continue
+        try:
+            options = {k: v for k, v in _schedule_options(cls, argparse.Namespace(), costs).items()}
+            if "chunks" in cls.options and args.chunks:
+                options["chunks"] = args.chunks
+            if "pipelines" in cls.options and args.pipelines:
+                options["pipelines"] = args.pipelines
+            schedule = cls(args.stages, args.micro_batches, **options)
+        except ValueError as exc:
+            rows.append((name, None, str(exc)))
+            continue
+        result = simulate(schedule.lower(), costs, chunks_per_rank=schedule.chunks_per_rank)
+        peak = max(result.peak_activations)
+        if args.max_activations is not None and peak > args.max_activations + 1e-9:
+            rows.append((name, None, f"peak activations {peak:g} > limit {args.max_activations:g}"))
+        else:
+            rows.append((name, result, ""))
+    fits = sorted((r for r in rows if r[1] is not None), key=lambda r: r[1].makespan)
+    print(f"{'rank':<5}{'schedule':<15}{'makespan':>10}{'bubble':>9}{'peak act':>10}{'weights':>9}")
+    for i, (name, result, _) in enumerate(fits, 1):
+        print(f"{i:<5}{name:<15}{result.makespan:>10g}{result.bubble_ratio:>9.3f}"
+              f"{max(result.peak_activations):>10g}{max(result.weights_per_rank):>9g}")
+    for name, _, why in rows:
+        if why:
+            print(f"  -    {name:<15}excluded: {why}")
+    if args.json:
+        print(json.dumps({"ranking": [dict(r[1].summary(), schedule=r[0]) for r in fits]}))
+    return 0 if fits else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ds-chimera", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("schedules", help="list every schedule, entry-point plugins included")
+    _add_sim_args(sub.add_parser("simulate", help="simulate a schedule and report its metrics"))
+    plot = sub.add_parser("plot", help="simulate and write a Gantt chart (same flags as simulate)")
+    _add_sim_args(plot)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "schedules":
+            return cmd_schedules(args)
+        if args.command == "plot" and not args.plot:
+            args.plot = f"{args.schedule}_D{args.stages}_N{args.micro_batches}.png"
+        return cmd_simulate(args)
+    except ValueError as exc:
+        print(f"ds-chimera: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The schedule contract: a pure function of (stages, micro-batches, options) to data.
+
+A schedule validates its options when constructed, then exposes a :class:`Placement`
+and one ordered list of compute :class:`Action` per rank. It never touches
+``torch.distributed``; :meth:`Schedule.lower` hands the result to every consumer.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+from .lowering import Program, lower
+from .placement import Placement
+
+
+def check_int(schedule: str, name: str, value, minimum: int) -> int:
+    """Return ``value`` if it is an int >= ``minimum``; otherwise raise a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{schedule}: {name} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{schedule}: {name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_choice(schedule: str, name: str, value, allowed) -> str:
+    if value not in allowed:
+        raise ValueError(f"{schedule}: {name} must be one of {', '.join(map(str, allowed))}; got {value!r}")
+    return value
+
+
+class Schedule:
+    """Base class. Subclasses set ``name``, ``summary``, ``options`` and build the data."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    options: ClassVar[dict] = {}         # option -> default
+    synchronous: ClassVar[bool] = True   # False: no flush, the schedule emits its own steps
+
+    def __init__(self, stages: int, micro_batches: int, **options):
+        self.stages = check_int(self.name, "stages", stages, 1)
+        self.micro_batches = check_int(self.name, "micro_batches", micro_batches, 1)
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            allowed = ", ".join(sorted(self.options)) or "none"
+            raise ValueError(f"{self.name}: unknown option {unknown[0]!r}; allowed options: {allowed}")
+        self.config = {**self.options, **options}
+        self.validate()
+        self.placement: Placement = self.build_placement()
+        self.orders: list = self.build_orders()
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return len(self.placement.chunks_on(0))
+
+    def validate(self) -> None:
+        """Raise ValueError for options that cannot work with these stages and micro-batches."""
+
+    def build_placement(self) -> Placement:
+        raise NotImplementedError
+
+    def build_orders(self) -> list:
+        raise NotImplementedError
+
+    def lower(self) -> Program:
+        return lower(self.name, self.placement, self.orders, self.synchronous)
+
+    def weights_per_rank(self) -> list:
+        """Weight copies per rank in stage units; asynchronous schedules add stashed versions."""
+        return self.placement.weights_per_rank()
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
+        return f"{type(self).__name__}(stages={self.stages}, micro_batches={self.micro_batches}{', ' if opts else ''}{opts})"
+
+
+def linear_placement(stages: int, micro_batches: int) -> Placement:
+    """One replica, stage i on rank i."""
+    return Placement(stages, stages, [list(range(stages))], [0] * micro_batches)
+
+
+def looped_placement(ranks: int, chunks: int, micro_batches: int) -> Placement:
+    """One replica of ranks*chunks stages, stage s on rank s mod ranks (interleaved, BFS)."""
+    return Placement(ranks, ranks * chunks, [[s % ranks for s in range(ranks * chunks)]],
+                     [0] * micro_batches)
+
+
+def vshape_placement(ranks: int, micro_batches: int) -> Placement:
+    """One replica of 2*ranks stages: down the ranks and back up (ZB-V, DualPipeV)."""
+    stages = list(range(ranks)) + list(range(ranks - 1, -1, -1))
+    return Placement(ranks, 2 * ranks, [stages], [0] * micro_batches)

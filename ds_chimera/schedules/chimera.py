@@ -1,0 +1,155 @@
+"""Chimera: bidirectional pipelines (Li & Hoefler, SC 2021, arXiv:2107.06925)."""
+from __future__ import annotations
+
+from .actions import BACKWARD, FORWARD, Action
+from .base import Schedule, check_choice, check_int
+from .classic import one_f_one_b_orders
+from .placement import Placement
+from .timing import merge_by_time, time_orders
+
+ORDERS = ("auto", "concat", "forward-doubling", "merged")
+
+
+class Chimera(Schedule):
+    """Chimera: f down and f up 1F1B pipelines merged on the same D ranks.
+
+    Down pipeline k puts stage i on rank (i + kD/f) mod D, up pipeline k on rank
+    (D-1-i + kD/f) mod D, so every rank holds 2f stages (2f x weights) and each stage's
+    replicas all-reduce their gradients. At N = D the bubble is (D-2)/(2N+D-2).
+
+    ``order`` says how N > D micro-batches are laid out:
+
+    * ``concat``: the paper's direct concatenation of basic units of D micro-batches,
+      each unit placed one unit of work after the previous, so a unit's first forwards
+      fill the previous unit's trailing bubbles;
+    * ``forward-doubling``: units of 2D micro-batches where each slot carries a pair of
+      micro-batches (the paper's remedy when backward costs more than forward; it holds
+      twice the activations, which the paper offsets with recomputation);
+    * ``merged``: two whole 1F1B pipelines of N/2 micro-batches merged on unit-slot times
+      (D+1 activations at most instead of D, and no unit junctions);
+    * ``auto``: simulate the three under ``costs`` (default F=1, B=2) and keep the fastest.
+
+    Unlike the reference generator, no order ever drops an operation, for any N >= 1.
+    """
+
+    name = "chimera"
+    summary = "bidirectional pipelines, 2f replicas per rank; bubble (D-2)/(2N+D-2) at N=D"
+    options = {"pipelines": 1, "order": "auto", "costs": None}
+
+    def validate(self):
+        d = self.stages
+        if d % 2:
+            raise ValueError(f"chimera needs an even number of stages, got {d}")
+        self.pipelines = check_int(self.name, "pipelines", self.config["pipelines"], 1)
+        if (d // 2) % self.pipelines:
+            divisors = [k for k in range(1, d // 2 + 1) if (d // 2) % k == 0]
+            raise ValueError(f"chimera: pipelines must divide stages/2 = {d // 2} (allowed: {divisors}), "
+                             f"got {self.pipelines}")
+        self.order = check_choice(self.name, "order", self.config["order"], ORDERS)
+        if self.order == "auto":
+            self.order = self.choose_order(self.stages, self.micro_batches, self.pipelines,
+                                           self.config["costs"])
+
+    @staticmethod
+    def choose_order(stages: int, micro_batches: int, pipelines: int, costs=None) -> str:
+        """The order with the smallest simulated makespan under ``costs`` (ties: paper's first)."""
+        from ..sim.simulator import Costs, simulate
+        if costs is None:
+            costs = Costs()
+        elif isinstance(costs, dict):
+            costs = Costs(**costs)
+        best = None
+        for order in ORDERS[1:]:
+            candidate = Chimera(stages, micro_batches, pipelines=pipelines, order=order)
+            makespan = simulate(candidate.lower(), costs).makespan
+            if best is None or makespan < best[0] - 1e-9:
+                best = (makespan, order)
+        return best[1]
+
+    # -- placement -----------------------------------------------------------------
+    def stage_ranks(self) -> list:
+        d, f = self.stages, self.pipelines
+        shift = d // f
+        down = [[(i + k * shift) % d for i in range(d)] for k in range(f)]
+        up = [[(d - 1 - i + k * shift) % d for i in range(d)] for k in range(f)]
+        return down + up
+
+    def slots(self) -> list:
+        """Micro-batches that travel together: pairs under forward doubling, else singles."""
+        n = self.micro_batches
+        width = 2 if self.order == "forward-doubling" else 1
+        return [list(range(s, min(s + width, n))) for s in range(0, n, width)]
+
+    def slot_pipelines(self) -> list:
+        """The pipeline (replica) of each slot."""
+        num_slots, p, d = len(self.slots()), 2 * self.pipelines, self.stages
+        if self.order == "merged":
+            return [s % p for s in range(num_slots)]
+        out = []
+        for start in range(0, num_slots, d):          # one basic unit of D slots at a time
+            unit = min(d, num_slots - start)
+            out.extend(_split_evenly(unit, p))
+        return out
+
+    def build_placement(self):
+        mb_replica = [0] * self.micro_batches
+        for slot, pipe in zip(self.slots(), self.slot_pipelines()):
+            for mb in slot:
+                mb_replica[mb] = pipe
+        return Placement(self.stages, self.stages, self.stage_ranks(), mb_replica)
+
+    # -- order -----------------------------------------------------------------
+    def build_orders(self):
+        d, pipes = self.stages, 2 * self.pipelines
+        slots, slot_pipe = self.slots(), self.slot_pipelines()
+        if self.order == "merged":
+            units = [list(range(len(slots)))]
+        else:
+            units = [list(range(s, min(s + d, len(slots)))) for s in range(0, len(slots), d)]
+        period = 2 * d   # one unit's work per rank, in unit slots (F = B = 1)
+        timed = []
+        pieces: dict = {}
+        for u, unit in enumerate(units):
+            for p in range(pipes):
+                members = [s for s in unit if slot_pipe[s] == p]
+                if not members:
+                    continue
+                key = (p, len(members))
+                if key not in pieces:
+                    pieces[key] = self._piece(p, len(members))
+                for time, kind, stage, local, rank in pieces[key]:
+                    chunk = self.placement.routes[p][stage]
+                    tie = (u, 0 if kind == BACKWARD else 1, p)
+                    for mb in slots[members[local]]:
+                        timed.append((time + u * period, tie, rank, Action(kind, chunk, mb)))
+        return merge_by_time(d, timed)
+
+    def _piece(self, pipe: int, n: int) -> list:
+        """Unit-slot timing of one 1F1B pipeline of ``n`` slots on ``pipe``'s ranks.
+
+        ``merged`` times each pipeline as an eager 1F1B on its own. Basic units use the
+        steady-state cadence instead: stage s runs forward k at s + 2k and backward k at
+        2D-1-s+2k. The down and up pipelines then never claim the same slot (forwards of
+        one and backwards of the other differ in parity or by D/2 micro-batches), which is
+        why Chimera's merge is conflict-free for even D.
+        """
+        from ..sim.simulator import Costs
+        d = self.stages
+        ranks = self.stage_ranks()[pipe]
+        if self.order != "merged":
+            return [(t, kind, s, k, ranks[s]) for s in range(d) for k in range(n)
+                    for kind, t in ((FORWARD, s + 2 * k), (BACKWARD, 2 * d - 1 - s + 2 * k))]
+        local = Placement(d, d, [ranks], [0] * n)
+        orders = one_f_one_b_orders(local, 0, list(range(n)))
+        times = time_orders(local, orders, Costs(fwd=1.0, bwd=1.0, wgrad=0.0))
+        return [(times[(a.kind, a.chunk, a.mb)], a.kind, a.chunk, a.mb, ranks[a.chunk])
+                for order in orders for a in order]
+
+
+def _split_evenly(count: int, parts: int) -> list:
+    """Contiguous split of ``count`` items into ``parts`` groups, earlier groups larger."""
+    base, extra = divmod(count, parts)
+    out = []
+    for p in range(parts):
+        out.extend([p] * (base + (1 if p < extra else 0)))
+    return out

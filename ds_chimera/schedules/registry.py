@@ -1,0 +1,67 @@
+"""Find schedules by name: the package's own and any registered by other packages.
+
+Schedules are registered through the ``ds_chimera.schedules`` entry-point group, which
+is how this package registers its own; a third-party package adds one in its setup:
+``entry_points={"ds_chimera.schedules": ["mine = mypkg.sched:MySchedule"]}``.
+"""
+from __future__ import annotations
+
+import logging
+from importlib import metadata
+
+from .base import Schedule
+
+ENTRY_POINT_GROUP = "ds_chimera.schedules"
+log = logging.getLogger(__name__)
+
+
+def _builtin() -> dict:
+    from .chimera import Chimera
+    from .classic import GPipe, OneFOneB
+    from .dualpipev import DualPipeV
+    from .looped import BreadthFirst, Interleaved
+    from .zero_bubble import ZBH1, ZBV
+    return {cls.name: cls for cls in (GPipe, OneFOneB, Interleaved, BreadthFirst, Chimera, ZBH1, ZBV,
+                                      DualPipeV)}
+
+
+_extra: dict = {}
+
+
+def register(cls: type) -> type:
+    """Register a Schedule subclass in this process (a decorator; entry points are preferred)."""
+    if not (isinstance(cls, type) and issubclass(cls, Schedule) and cls.name):
+        raise ValueError(f"register() needs a Schedule subclass with a name, got {cls!r}")
+    _extra[cls.name] = cls
+    return cls
+
+
+def available() -> dict:
+    """name -> Schedule class: built-ins, entry-point plugins, then in-process registrations."""
+    found = _builtin()
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in found and ep.value.startswith("ds_chimera."):
+            continue
+        try:
+            cls = ep.load()
+        except Exception as exc:   # a broken plugin must not take the built-ins down
+            log.warning("schedule plugin %r (%s) failed to load: %s", ep.name, ep.value, exc)
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, Schedule)):
+            log.warning("schedule plugin %r (%s) is not a ds_chimera Schedule subclass", ep.name, ep.value)
+            continue
+        found[ep.name] = cls
+    found.update(_extra)
+    return found
+
+
+def get(name: str) -> type:
+    schedules = available()
+    if name not in schedules:
+        raise ValueError(f"unknown schedule {name!r}; available: {', '.join(sorted(schedules))}")
+    return schedules[name]
+
+
+def build(name: str, stages: int, micro_batches: int, **options) -> Schedule:
+    """Construct the named schedule; bad names and options raise ValueError before any work."""
+    return get(name)(stages, micro_batches, **options)

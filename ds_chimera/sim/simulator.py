@@ -1,0 +1,333 @@
+"""The simulator: runs lowered programs under a cost model and proves them correct.
+
+It is the oracle of the test-suite. A program it accepts is complete (every micro-batch
+gets one forward and one backward per chunk on its route), ordered (no work before the
+data it needs has been computed and received) and deadlock-free. It also reports what a
+user plans with: makespan, bubble ratio, busy time, in-flight activations and weights.
+
+Execution model: a rank runs its ops in order, one compute at a time. Sends are
+non-blocking; a message arrives ``comm`` after it is posted. Receives block. A gradient
+sync is posted without blocking and completes ``allreduce`` after its last member posts;
+the optimizer step waits for it. Ranks are advanced by an event-driven worklist, so the
+cost is linear in the number of ops.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..schedules.actions import (BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, Action, CommBatch,
+                                 GradSync, OptimizerStep)
+from ..schedules.lowering import Program
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per micro-batch costs of one rank's worth of layers; a chunk pays them times its size.
+
+    ``bwd`` is the full backward. A split backward pays ``bwd - wgrad`` for I and
+    ``wgrad`` for W. ``comm`` is the latency of one point-to-point message, ``allreduce``
+    the time of one stage's gradient all-reduce.
+    """
+
+    fwd: float = 1.0
+    bwd: float = 2.0
+    wgrad: float = 1.0
+    comm: float = 0.0
+    allreduce: float = 0.0
+
+    def __post_init__(self):
+        for name in ("fwd", "bwd", "wgrad", "comm", "allreduce"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"cost {name} must be a number >= 0, got {value!r}")
+        if self.fwd <= 0 or self.bwd <= 0:
+            raise ValueError(f"costs fwd and bwd must be > 0, got fwd={self.fwd}, bwd={self.bwd}")
+        if self.wgrad > self.bwd:
+            raise ValueError(f"cost wgrad must be at most bwd ({self.bwd}), got {self.wgrad}")
+
+    def of(self, kind: str) -> float:
+        if kind == FORWARD:
+            return self.fwd
+        if kind == BACKWARD:
+            return self.bwd
+        if kind == INPUT_GRAD:
+            return self.bwd - self.wgrad
+        if kind == WEIGHT_GRAD:
+            return self.wgrad
+        return 0.0
+
+
+UNIT_COSTS = Costs(fwd=1.0, bwd=1.0, wgrad=0.5)
+
+
+@dataclass
+class SimResult:
+    schedule: str
+    stages: int
+    micro_batches: int
+    chunks: int
+    makespan: float
+    ideal: float
+    busy: list
+    peak_activations: list
+    weights_per_rank: list
+    errors: list = field(default_factory=list)
+    deadlock: dict = field(default_factory=dict)
+    records: list = field(default_factory=list)   # (rank, kind, chunk, mb, start, end)
+    sync_records: list = field(default_factory=list)   # (rank, stage, post, done)
+
+    @property
+    def valid(self) -> bool:
+        return not self.errors and not self.deadlock
+
+    @property
+    def bubble_ratio(self) -> float:
+        return 1.0 - self.ideal / self.makespan if self.makespan > 0 else 0.0
+
+    def summary(self) -> dict:
+        return {
+            "schedule": self.schedule, "stages": self.stages, "micro_batches": self.micro_batches,
+            "chunks": self.chunks, "makespan": round(self.makespan, 9), "ideal": self.ideal,
+            "bubble_ratio": round(self.bubble_ratio, 9), "busy": [round(b, 9) for b in self.busy],
+            "peak_activations": [round(a, 9) for a in self.peak_activations],
+            "weights_per_rank": self.weights_per_rank, "valid": self.valid,
+            "errors": self.errors[:20], "deadlock": {str(k): v for k, v in self.deadlock.items()},
+        }
+
+    def start_times(self) -> dict:
+        """(kind, chunk, mb) -> start time, for schedules built by merging timed pieces."""
+        return {(k, c, m): s for (_, k, c, m, s, _) in self.records}
+
+
+def simulate(program: Program, costs: Costs = Costs(), chunks_per_rank: int = 1,
+             max_errors: int = 100) -> SimResult:
+    """Execute ``program`` under ``costs``; never raises on a bad program, it reports it."""
+    placement = program.placement
+    num_ranks = placement.num_ranks
+    size = placement.size
+    chunk_rank = [c.rank for c in placement.chunks]
+    chunk_stage = [c.stage for c in placement.chunks]
+    chunk_replica = [c.replica for c in placement.chunks]
+    nxt = [placement.next_chunk(c) for c in range(len(chunk_rank))]
+    prv = [placement.prev_chunk(c) for c in range(len(chunk_rank))]
+    mb_replica = placement.mb_replica
+    num_mbs = len(mb_replica)
+    cost_of = {k: costs.of(k) * size for k in (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)}
+    cost_of[STEP] = 0.0
+
+    errors: list = []
+
+    def error(msg):
+        if len(errors) < max_errors:
+            errors.append(msg)
+
+    done: dict = {}                     # (kind, chunk, mb) -> end time
+    messages: dict = {}                 # Message -> arrival time
+    received = [set() for _ in range(num_ranks)]
+    msg_waiter: dict = {}
+    sync_posts: dict = {}               # (stage, k) -> {rank: time}
+    sync_groups: dict = {}              # (stage, k) -> ranks
+    sync_waiters: dict = {}
+    posted = [dict() for _ in range(num_ranks)]    # stage -> times posted by this rank
+    own_syncs = [[] for _ in range(num_ranks)]     # keys posted by rank, not yet awaited
+    group_orders: dict = {}             # (group, rank) -> stages in posting order
+
+    pc = [0] * num_ranks
+    clock = [0.0] * num_ranks
+    busy = [0.0] * num_ranks
+    live = [0.0] * num_ranks
+    peak = [0.0] * num_ranks
+    sends_posted = [-1] * num_ranks
+    records: list = []
+    sync_records: list = []
+    work = deque(range(num_ranks))
+    queued = [True] * num_ranks
+
+    def wake(rank):
+        if not queued[rank]:
+            queued[rank] = True
+            work.append(rank)
+
+    def sync_done_time(key):
+        posts = sync_posts[key]
+        if len(posts) < len(sync_groups[key]):
+            return None
+        return max(posts.values()) + (costs.allreduce if len(posts) > 1 else 0.0)
+
+    while work:
+        r = work.popleft()
+        queued[r] = False
+        ops = program.ops[r]
+        i, t = pc[r], clock[r]
+        while i < len(ops):
+            op = ops[i]
+            if type(op) is Action:
+                kind, c, mb = op
+                if not (0 <= c < len(chunk_rank)) or not (0 <= mb < num_mbs):
+                    error(f"rank {r}: {op} names an unknown chunk or micro-batch")
+                    i += 1
+                    continue
+                if chunk_rank[c] != r:
+                    error(f"rank {r}: runs {op} but chunk {c} lives on rank {chunk_rank[c]}")
+                if chunk_replica[c] != mb_replica[mb]:
+                    error(f"rank {r}: {op}: micro-batch {mb} does not flow through chunk {c}")
+                key = (kind, c, mb)
+                if key in done:
+                    error(f"rank {r}: {op} runs twice")
+                if kind == FORWARD:
+                    p = prv[c]
+                    if p is not None and (FORWARD, p, mb) not in done:
+                        error(f"rank {r}: {op} runs before the forward of chunk {p}")
+                    elif p is not None and chunk_rank[p] != r and ("act", p, c, mb) not in received[r]:
+                        error(f"rank {r}: {op} runs without receiving its activation")
+                    live[r] += size
+                    if live[r] > peak[r]:
+                        peak[r] = live[r]
+                elif kind in (BACKWARD, INPUT_GRAD):
+                    if (FORWARD, c, mb) not in done:
+                        error(f"rank {r}: {op} runs before its forward")
+                    n = nxt[c]
+                    if n is not None and (BACKWARD, n, mb) not in done and (INPUT_GRAD, n, mb) not in done:
+                        error(f"rank {r}: {op} runs before the backward of chunk {n}")
+                    elif n is not None and chunk_rank[n] != r and ("grad", n, c, mb) not in received[r]:
+                        error(f"rank {r}: {op} runs without receiving its gradient")
+                    if kind == BACKWARD:
+                        live[r] -= size
+                elif kind == WEIGHT_GRAD:
+                    if (INPUT_GRAD, c, mb) not in done:
+                        error(f"rank {r}: {op} runs before its input-grad")
+                    live[r] -= size
+                elif kind == STEP:
+                    if (BACKWARD, c, mb) not in done and (WEIGHT_GRAD, c, mb) not in done:
+                        error(f"rank {r}: {op} steps before micro-batch {mb}'s gradient exists")
+                    stage = chunk_stage[c]
+                    times = posted[r].get(stage)
+                    if times:
+                        skey = (stage, len(times) - 1)
+                        finish = sync_done_time(skey)
+                        if finish is None:
+                            sync_waiters.setdefault(skey, []).append(r)
+                            break
+                        t = max(t, finish)
+                else:
+                    error(f"rank {r}: unknown action kind {kind!r}")
+                dt = cost_of.get(kind, 0.0)
+                records.append((r, kind, c, mb, t, t + dt))
+                t += dt
+                busy[r] += dt
+                done[key] = t
+            elif type(op) is CommBatch:
+                if sends_posted[r] != i:
+                    sends_posted[r] = i
+                    for m in op.sends:
+                        mkind, src, dst, mb = m
+                        if chunk_rank[src] != r:
+                            error(f"rank {r}: sends {m} but chunk {src} lives on rank {chunk_rank[src]}")
+                        ready = (FORWARD, src, mb) in done if mkind == "act" else \
+                            ((BACKWARD, src, mb) in done or (INPUT_GRAD, src, mb) in done)
+                        if not ready:
+                            error(f"rank {r}: sends {m} before computing it")
+                        if m in messages:
+                            error(f"rank {r}: sends {m} twice")
+                        messages[m] = t + costs.comm
+                        waiter = msg_waiter.pop(m, None)
+                        if waiter is not None:
+                            wake(waiter)
+                missing = None
+                for m in op.recvs:
+                    if m not in messages:
+                        missing = m
+                        break
+                if missing is not None:
+                    msg_waiter[missing] = r
+                    break
+                for m in op.recvs:
+                    if chunk_rank[m.dst] != r:
+                        error(f"rank {r}: receives {m} but chunk {m.dst} lives on rank {chunk_rank[m.dst]}")
+                    if m in received[r]:
+                        error(f"rank {r}: receives {m} twice")
+                    received[r].add(m)
+                    if messages[m] > t:
+                        t = messages[m]
+            elif type(op) is GradSync:
+                times = posted[r].setdefault(op.stage, [])
+                skey = (op.stage, len(times))
+                times.append(t)
+                group = tuple(op.ranks)
+                group_orders.setdefault((group, r), []).append(op.stage)
+                if r not in group:
+                    error(f"rank {r}: posts the sync of stage {op.stage} for group {group} it is not in")
+                known = sync_groups.setdefault(skey, group)
+                if known != group:
+                    error(f"rank {r}: sync of stage {op.stage} over {group}, others use {known}")
+                sync_posts.setdefault(skey, {})[r] = t
+                own_syncs[r].append(skey)
+                if sync_done_time(skey) is not None:
+                    for waiter in sync_waiters.pop(skey, ()):
+                        wake(waiter)
+            elif type(op) is OptimizerStep:
+                pending = None
+                finish = t
+                for skey in own_syncs[r]:
+                    when = sync_done_time(skey)
+                    if when is None:
+                        pending = skey
+                        break
+                    finish = max(finish, when)
+                if pending is not None:
+                    sync_waiters.setdefault(pending, []).append(r)
+                    break
+                for skey in own_syncs[r]:
+                    sync_records.append((r, skey[0], sync_posts[skey][r], sync_done_time(skey)))
+                own_syncs[r] = []
+                t = finish
+            else:
+                error(f"rank {r}: unknown op {op!r}")
+            i += 1
+        pc[r], clock[r] = i, t
+
+    deadlock = {}
+    for r in range(num_ranks):
+        if pc[r] < len(program.ops[r]):
+            deadlock[r] = _describe_wait(program, r, pc[r], messages, sync_posts, sync_groups, posted)
+    if not deadlock:
+        _check_complete(placement, done, error)
+        for (group, r), stages in group_orders.items():
+            for other in group:
+                if group_orders.get((group, other), []) != stages:
+                    error(f"ranks {r} and {other} post the syncs of group {group} in different orders")
+                    break
+
+    ideal = num_mbs * (costs.fwd + costs.bwd)
+    return SimResult(program.name, num_ranks, num_mbs, chunks_per_rank, max(clock) if clock else 0.0,
+                     ideal, busy, peak, placement.weights_per_rank(), errors, deadlock, records,
+                     sync_records)
+
+
+def _describe_wait(program, rank, index, messages, sync_posts, sync_groups, posted) -> str:
+    op = program.ops[rank][index]
+    placement = program.placement
+    if type(op) is CommBatch:
+        missing = [m for m in op.recvs if m not in messages]
+        return "; ".join(f"waits for {m.kind} of micro-batch {m.mb} from chunk {m.src} "
+                         f"on rank {placement.rank_of(m.src)}" for m in missing) or "waits in a comm batch"
+    if type(op) in (OptimizerStep, Action):
+        waits = [f"stage {s} sync from ranks {sorted(set(sync_groups[k]) - set(p))}"
+                 for k, p in sync_posts.items() for s in [k[0]] if len(p) < len(sync_groups[k])
+                 and rank in p]
+        return f"op {index} ({type(op).__name__}) waits for " + ("; ".join(waits) or "gradient syncs")
+    return f"stuck at op {index}: {op!r}"
+
+
+def _check_complete(placement, done, error) -> None:
+    for mb, replica in enumerate(placement.mb_replica):
+        for c in placement.routes[replica]:
+            if (FORWARD, c, mb) not in done:
+                error(f"micro-batch {mb} never runs forward on chunk {c}")
+            full = (BACKWARD, c, mb) in done
+            split = (INPUT_GRAD, c, mb) in done, (WEIGHT_GRAD, c, mb) in done
+            if full and any(split):
+                error(f"micro-batch {mb} runs both a full and a split backward on chunk {c}")
+            elif not full and not all(split):
+                error(f"micro-batch {mb} never completes its backward on chunk {c}")

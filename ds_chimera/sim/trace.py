@@ -1,0 +1,44 @@
+"""Chrome / Perfetto trace export: one process per rank, one slice per compute action.
+
+The runtime writes measured runs in this same format, so a simulated and a measured
+step can be opened side by side in chrome://tracing or ui.perfetto.dev.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ..schedules.actions import STEP
+
+KIND_NAMES = {"F": "forward", "B": "backward", "I": "input-grad", "W": "weight-grad", STEP: "step"}
+
+
+def trace_events(records, placement=None, time_unit_us: float = 1000.0, label: str = "sim") -> list:
+    """Trace events for (rank, kind, chunk, mb, start, end) records; times scaled to microseconds."""
+    events = []
+    ranks = sorted({r[0] for r in records})
+    for rank in ranks:
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
+                       "args": {"name": f"{label} rank {rank}"}})
+    for rank, kind, chunk, mb, start, end in records:
+        args = {"chunk": chunk, "micro_batch": mb}
+        if placement is not None:
+            c = placement.chunks[chunk]
+            args.update(stage=c.stage, replica=c.replica)
+        events.append({"name": f"{kind}{mb}", "cat": KIND_NAMES.get(kind, kind), "ph": "X", "pid": rank,
+                       "tid": 0, "ts": start * time_unit_us, "dur": max(end - start, 0) * time_unit_us,
+                       "args": args})
+    return events
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """Write JSON through a temporary file and a rename, so readers never see half a file."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh)
+    os.replace(tmp, path)
+
+
+def write_trace(path: str, records, placement=None, time_unit_us: float = 1000.0, label: str = "sim") -> None:
+    write_json_atomic(path, {"traceEvents": trace_events(records, placement, time_unit_us, label),
+                             "displayTimeUnit": "ms"})

@@ -1,0 +1,34 @@
+"""ds_chimera: pipeline schedules (Chimera, breadth-first, PipeOptim, zero-bubble...) for DeepSpeed."""
+from setuptools import find_packages, setup
+
+SCHEDULES = [
+    "gpipe = ds_chimera.schedules.classic:GPipe",
+    "1f1b = ds_chimera.schedules.classic:OneFOneB",
+    "interleaved = ds_chimera.schedules.looped:Interleaved",
+    "breadth-first = ds_chimera.schedules.looped:BreadthFirst",
+    "chimera = ds_chimera.schedules.chimera:Chimera",
+    "zb-h1 = ds_chimera.schedules.zero_bubble:ZBH1",
+    "zbv = ds_chimera.schedules.zero_bubble:ZBV",
+    "dualpipev = ds_chimera.schedules.dualpipev:DualPipeV",
+]
+
+setup(
+    name="ds_chimera",
+    version="0.1.0",
+    description="Drop-in pipeline schedules for DeepSpeed, Megatron-Core and the HF Trainer",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["ds_chimera", "ds_chimera.*"]),
+    install_requires=["numpy", "matplotlib"],
+    extras_require={
+        "torch": ["torch", "deepspeed"],
+        "test": ["pytest", "torch", "deepspeed"],
+        "hf": ["transformers", "deepspeed"],
+        "megatron": ["megatron-core", "deepspeed"],
+    },
+    entry_points={
+        "console_scripts": ["ds-chimera = ds_chimera.cli:main"],
+        "ds_chimera.schedules": SCHEDULES,
+    },
+)

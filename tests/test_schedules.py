@@ -1,0 +1,162 @@
+"""Every schedule lowers to a complete, ordered, deadlock-free program with the right metrics."""
+import itertools
+
+import pytest
+
+from ds_chimera.schedules import FORWARD, available, build
+from ds_chimera.schedules.actions import BACKWARD, INPUT_GRAD, WEIGHT_GRAD, CommBatch, GradSync
+from ds_chimera.sim import Costs, simulate
+
+UNIT = Costs(fwd=1.0, bwd=1.0, wgrad=0.5)
+SPLIT = Costs(fwd=1.0, bwd=2.0, wgrad=1.0)     # F = I = W = 1
+
+
+def grid():
+    for name in sorted(available()):
+        for d in range(2, 9):
+            if name == "chimera" and d % 2:
+                continue
+            lo = 2 * d if name == "dualpipev" else 1
+            step = d if name == "interleaved" else 1
+            ns = sorted({n for n in (lo, lo + 1, d, d + 1, 2 * d, 3 * d, 3 * d + 1, 4 * d, 8 * d)
+                         if n >= lo and n % step == 0 and n >= step})
+            chunks = range(1, 5) if name in ("interleaved", "breadth-first") else [None]
+            for n, v in itertools.product(ns, chunks):
+                yield name, d, n, v
+
+
+def make(name, d, n, v=None, **kw):
+    if v is not None:
+        kw["chunks"] = v
+    return build(name, d, n, **kw)
+
+
+def test_grid_is_complete_and_deadlock_free():
+    checked = 0
+    for name, d, n, v in grid():
+        schedule = make(name, d, n, v)
+        result = simulate(schedule.lower(), SPLIT)
+        assert result.valid, (name, d, n, v, result.errors[:3], result.deadlock)
+        split = name in ("zb-h1", "zbv")
+        kinds = {a.kind for order in schedule.orders for a in order}
+        assert kinds == ({FORWARD, INPUT_GRAD, WEIGHT_GRAD} if split else {FORWARD, BACKWARD}), name
+        per_chunk = 3 if split else 2
+        assert sum(len(o) for o in schedule.orders) == per_chunk * n * schedule.placement.num_stages
+        checked += 1
+    assert checked > 300
+
+
+@pytest.mark.parametrize("pipelines", [1, 2, 4])
+@pytest.mark.parametrize("order", ["concat", "merged", "forward-doubling"])
+def test_chimera_never_drops_work(order, pipelines):
+    for n in (1, 3, 8, 23, 24, 25, 64):
+        schedule = build("chimera", 8, n, order=order, pipelines=pipelines)
+        result = simulate(schedule.lower(), SPLIT)
+        assert result.valid, (order, pipelines, n, result.errors[:3], result.deadlock)
+        assert sum(len(o) for o in schedule.orders) == 2 * n * 8
+        assert schedule.weights_per_rank() == [2.0 * pipelines] * 8
+
+
+@pytest.mark.parametrize("d", [2, 3, 4, 6, 8])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_gpipe_and_1f1b_bubble_closed_form(d, k):
+    n = k * d
+    for name in ("gpipe", "1f1b"):
+        result = simulate(build(name, d, n).lower(), UNIT)
+        assert result.bubble_ratio == pytest.approx((d - 1) / (n + d - 1)), name
+
+
+@pytest.mark.parametrize("d", [2, 4, 6, 8])
+def test_chimera_bubble_closed_form_at_n_equals_d(d):
+    result = simulate(build("chimera", d, d, order="concat").lower(), UNIT)
+    assert result.bubble_ratio == pytest.approx((d - 2) / (2 * d + d - 2))
+
+
+@pytest.mark.parametrize("d", [4, 8])
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_chimera_concatenation_keeps_one_unit_bubble(d, k):
+    result = simulate(build("chimera", d, k * d, order="concat").lower(), UNIT)
+    assert result.bubble_ratio == pytest.approx((d - 2) / (2 * k * d + d - 2))
+
+
+@pytest.mark.parametrize("name", ["interleaved", "breadth-first"])
+@pytest.mark.parametrize("d,v,k", [(2, 2, 1), (4, 2, 2), (4, 3, 1), (4, 4, 2), (8, 2, 1), (8, 4, 3)])
+def test_looped_bubble_closed_form(name, d, v, k):
+    n = k * d
+    result = simulate(build(name, d, n, chunks=v).lower(), UNIT)
+    assert result.bubble_ratio == pytest.approx((d - 1) / (v * n + d - 1))
+
+
+@pytest.mark.parametrize("d,n", [(2, 4), (4, 4), (4, 8), (4, 16), (6, 12), (8, 8), (8, 32)])
+def test_zero_bubble_beats_1f1b(d, n):
+    one = simulate(build("1f1b", d, n).lower(), SPLIT)
+    h1 = simulate(build("zb-h1", d, n).lower(), SPLIT)
+    bubble_1f1b = one.makespan - one.ideal
+    assert h1.makespan - h1.ideal <= 0.5 * bubble_1f1b + 1e-9
+    assert max(h1.peak_activations) <= d
+    if n >= 2 * d:
+        for name in ("zbv", "dualpipev"):
+            assert simulate(build(name, d, n).lower(), SPLIT).makespan < one.makespan, name
+    else:
+        assert simulate(build("zbv", d, n).lower(), SPLIT).makespan < one.makespan
+
+
+@pytest.mark.parametrize("d", [2, 4, 8])
+def test_peak_activations(d):
+    n = 2 * d
+    assert simulate(build("gpipe", d, n).lower(), UNIT).peak_activations == [n] * d
+    assert simulate(build("1f1b", d, n).lower(), UNIT).peak_activations == list(range(d, 0, -1))
+    chimera = simulate(build("chimera", d, d, order="concat").lower(), UNIT).peak_activations
+    assert all(d // 2 + 1 <= a <= d for a in chimera), chimera
+    assert max(chimera) == d
+
+
+def test_weights_per_rank():
+    assert build("1f1b", 4, 8).weights_per_rank() == [1.0] * 4
+    assert build("interleaved", 4, 8, chunks=2).weights_per_rank() == [1.0] * 4
+    assert build("chimera", 4, 8).weights_per_rank() == [2.0] * 4
+    assert build("zbv", 4, 8).weights_per_rank() == [1.0] * 4
+
+
+def test_chimera_auto_picks_the_fastest_order():
+    costs = Costs(fwd=1.0, bwd=2.0, wgrad=1.0)
+    chosen = build("chimera", 8, 32, costs=costs)
+    spans = {o: simulate(build("chimera", 8, 32, order=o).lower(), costs).makespan
+             for o in ("concat", "merged", "forward-doubling")}
+    assert spans[chosen.order] == min(spans.values())
+    # with backward = 2 x forward, plain concatenation falls behind 1F1B at N >= 4D ...
+    one = simulate(build("1f1b", 8, 32).lower(), costs).makespan
+    assert spans["concat"] > one
+    # ... and both remedies beat it.
+    assert spans["merged"] < one and spans["forward-doubling"] < one
+
+
+def test_chimera_down_and_up_pipelines_are_mirrored():
+    placement = build("chimera", 4, 4).placement
+    assert placement.stage_ranks == [[0, 1, 2, 3], [3, 2, 1, 0]]
+    assert placement.stage_group(0) == (0, 3)
+    placement = build("chimera", 8, 8, pipelines=2).placement
+    assert placement.stage_ranks == [[0, 1, 2, 3, 4, 5, 6, 7], [4, 5, 6, 7, 0, 1, 2, 3],
+                                     [7, 6, 5, 4, 3, 2, 1, 0], [3, 2, 1, 0, 7, 6, 5, 4]]
+
+
+def test_lowering_posts_sends_before_receives_and_syncs_early():
+    program = build("chimera", 4, 8, order="concat").lower()
+    for ops in program.ops:
+        batches = [op for op in ops if isinstance(op, CommBatch)]
+        assert batches and all(op.sends or op.recvs for op in batches)
+        syncs = [i for i, op in enumerate(ops) if isinstance(op, GradSync)]
+        assert len(syncs) == 2      # one per stage held
+        # the first stage to finish syncs before the rank's last compute, inside the step
+        last_compute = max(i for i, op in enumerate(ops) if hasattr(op, "kind"))
+        assert syncs[0] < last_compute
+
+
+def test_comm_cost_adds_latency_on_the_critical_path():
+    # GPipe's critical path crosses D-1 links forward and D-1 back: makespan grows by 2(D-1)c.
+    base = simulate(build("gpipe", 4, 8).lower(), Costs(1, 2, 1, comm=0.0)).makespan
+    slow = simulate(build("gpipe", 4, 8).lower(), Costs(1, 2, 1, comm=0.5)).makespan
+    assert slow == pytest.approx(base + 2 * 3 * 0.5)
+    # 1F1B also pays latency in its steady state, so it can only be slower still.
+    base = simulate(build("1f1b", 4, 8).lower(), Costs(1, 2, 1, comm=0.0)).makespan
+    assert simulate(build("1f1b", 4, 8).lower(), Costs(1, 2, 1, comm=0.5)).makespan > base + 3

@@ -1,0 +1,72 @@
+"""The simulator catches broken programs: deadlock, missing, duplicated and out-of-order work."""
+from ds_chimera.schedules import Action, CommBatch, Message, OptimizerStep, Placement, Program, build, lower
+from ds_chimera.schedules.actions import BACKWARD, FORWARD
+from ds_chimera.sim import Costs, simulate
+
+
+def two_stage(orders):
+    placement = Placement(2, 2, [[0, 1]], [0, 0])
+    return lower("test", placement, orders)
+
+
+F, B = FORWARD, BACKWARD
+
+
+def test_a_good_program_is_valid():
+    program = two_stage([[Action(F, 0, 0), Action(F, 0, 1), Action(B, 0, 0), Action(B, 0, 1)],
+                         [Action(F, 1, 0), Action(B, 1, 0), Action(F, 1, 1), Action(B, 1, 1)]])
+    assert simulate(program).valid
+
+
+def test_deadlock_is_reported_with_what_each_rank_waits_for():
+    # rank 0 wants micro-batch 1's gradient before it has sent micro-batch 1's activation
+    program = two_stage([[Action(F, 0, 0), Action(B, 0, 1), Action(F, 0, 1), Action(B, 0, 0)],
+                         [Action(F, 1, 1), Action(B, 1, 1), Action(F, 1, 0), Action(B, 1, 0)]])
+    result = simulate(program)
+    assert not result.valid
+    assert set(result.deadlock) == {0, 1}
+    assert "waits for grad of micro-batch 1 from chunk 1 on rank 1" in result.deadlock[0]
+    assert "waits for act of micro-batch 1 from chunk 0 on rank 0" in result.deadlock[1]
+
+
+def test_missing_work_is_reported():
+    program = two_stage([[Action(F, 0, 0), Action(F, 0, 1), Action(B, 0, 0)],
+                         [Action(F, 1, 0), Action(B, 1, 0), Action(F, 1, 1), Action(B, 1, 1)]])
+    result = simulate(program)
+    assert "micro-batch 1 never completes its backward on chunk 0" in result.errors
+
+
+def test_duplicated_work_is_reported():
+    placement = Placement(1, 1, [[0]], [0])
+    program = lower("dup", placement, [[Action(F, 0, 0), Action(F, 0, 0), Action(B, 0, 0)]])
+    assert any("runs twice" in e for e in simulate(program).errors)
+
+
+def test_out_of_order_work_is_reported():
+    placement = Placement(1, 2, [[0, 0]], [0])
+    program = lower("ooo", placement, [[Action(F, 1, 0), Action(F, 0, 0), Action(B, 1, 0), Action(B, 0, 0)]])
+    errors = simulate(program).errors
+    assert any("F1.0 runs before the forward of chunk 0" in e for e in errors)
+
+
+def test_work_on_the_wrong_rank_and_unreceived_data_are_reported():
+    placement = Placement(2, 2, [[0, 1]], [0])
+    ops = [[Action(F, 0, 0), Action(B, 0, 0), OptimizerStep((0,))],
+           [Action(F, 1, 0), Action(B, 1, 0), OptimizerStep((1,))]]
+    errors = simulate(Program("raw", placement, ops)).errors
+    assert any("runs without receiving its activation" in e for e in errors)
+    assert any("B0.0 runs before the backward of chunk 1" in e or "B0.0 runs without receiving" in e
+               for e in errors)
+    errors = simulate(Program("raw", placement, [[Action(F, 1, 0)], []])).errors
+    assert any("runs F1.0 but chunk 1 lives on rank 1" in e for e in errors)
+    ops = [[CommBatch((Message("act", 0, 1, 0),), ()), Action(F, 0, 0)], []]
+    errors = simulate(Program("raw", placement, ops)).errors
+    assert any("before computing it" in e for e in errors)
+
+
+def test_reports_busy_time_makespan_and_trace_records():
+    result = simulate(build("1f1b", 4, 8).lower(), Costs(1, 2, 1))
+    assert result.busy == [24.0] * 4
+    assert result.makespan == 33.0
+    assert len(result.records) == 2 * 8 * 4
+    assert all(end > start for (_, _, _, _, start, end) in result.records)
