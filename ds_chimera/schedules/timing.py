@@ -6,6 +6,7 @@ itself deadlock-free: a dependency on the same rank always starts strictly earli
 from __future__ import annotations
 
 import heapq
+from collections import deque
 
 from .actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
 from .placement import Placement
@@ -47,9 +48,9 @@ def list_schedule(placement: Placement, limits: list, cost=(1.0, 1.0, 1.0), pref
     mbs_of = [placement.micro_batches_of(placement.chunks[c].replica) for c in range(len(placement.chunks))]
     next_f = [0] * len(placement.chunks)          # index into mbs_of[chunk]
     f_end: dict = {}
-    i_end: dict = {}
-    waiting_i = [[] for _ in range(num_ranks)]    # (chunk, mb) with F done, I not yet
-    pending_w = [[] for _ in range(num_ranks)]
+    ready_i = [[] for _ in range(num_ranks)]      # heap of (ready time, seq, chunk, mb)
+    seq = 0
+    pending_w = [deque() for _ in range(num_ranks)]
     live = [0.0] * num_ranks
     remaining = [sum(3 * len(mbs_of[c]) for c in chunks_of[r]) for r in range(num_ranks)]
     orders = [[] for _ in range(num_ranks)]
@@ -60,10 +61,10 @@ def list_schedule(placement: Placement, limits: list, cost=(1.0, 1.0, 1.0), pref
         prev = placement.prev_chunk(chunk)
         return 0.0 if prev is None else f_end.get((prev, mb))
 
-    def input_ready(chunk, mb):
-        nxt = placement.next_chunk(chunk)
-        return f_end[(chunk, mb)] if nxt is None else (
-            None if (nxt, mb) not in i_end else max(f_end[(chunk, mb)], i_end[(nxt, mb)]))
+    def input_becomes_ready(chunk, mb, when):
+        nonlocal seq
+        seq += 1
+        heapq.heappush(ready_i[placement.rank_of(chunk)], (when, seq, chunk, mb))
 
     while heap:
         t, r = heapq.heappop(heap)
@@ -72,12 +73,12 @@ def list_schedule(placement: Placement, limits: list, cost=(1.0, 1.0, 1.0), pref
         choice, future = None, []
 
         def pick_input():
-            for chunk, mb in waiting_i[r]:
-                ready = input_ready(chunk, mb)
-                if ready is not None and ready <= t:
+            if ready_i[r]:
+                when, _, chunk, mb = ready_i[r][0]
+                if when <= t:
+                    heapq.heappop(ready_i[r])
                     return (INPUT_GRAD, chunk, mb)
-                if ready is not None:
-                    future.append(ready)
+                future.append(when)
             return None
 
         def pick_forward():
@@ -112,14 +113,16 @@ def list_schedule(placement: Placement, limits: list, cost=(1.0, 1.0, 1.0), pref
         if kind == FORWARD:
             next_f[chunk] += 1
             f_end[(chunk, mb)] = end
-            waiting_i[r].append((chunk, mb))
+            if placement.next_chunk(chunk) is None:
+                input_becomes_ready(chunk, mb, end)
             live[r] += size
         elif kind == INPUT_GRAD:
-            waiting_i[r].remove((chunk, mb))
-            i_end[(chunk, mb)] = end
+            prev = placement.prev_chunk(chunk)
+            if prev is not None:
+                input_becomes_ready(prev, mb, max(end, f_end[(prev, mb)]))
             pending_w[r].append((chunk, mb))
         else:
-            pending_w[r].pop(0)
+            pending_w[r].popleft()
             live[r] -= size
         busy_until[r] = end
         heapq.heappush(heap, (end, r))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ..schedules.actions import (BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, Action, CommBatch,
                                  GradSync, OptimizerStep)
-from ..schedules.lowering import Program
+from ..schedules.lowering import Program, gc_paused
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,11 @@ class SimResult:
 def simulate(program: Program, costs: Costs = Costs(), chunks_per_rank: int = 1,
              max_errors: int = 100) -> SimResult:
     """Execute ``program`` under ``costs``; never raises on a bad program, it reports it."""
+    with gc_paused():
+        return _simulate(program, costs, chunks_per_rank, max_errors)
+
+
+def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: int) -> SimResult:
     placement = program.placement
     num_ranks = placement.num_ranks
     size = placement.size
