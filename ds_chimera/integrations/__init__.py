@@ -1,0 +1,1 @@
+"""Entry points from DeepSpeed, Megatron-Core and the Hugging Face Trainer."""

@@ -1,0 +1,144 @@
+"""``"pipeline": {"schedule": NAME}`` in a DeepSpeed config selects a ds_chimera schedule.
+
+``ds_chimera.initialize`` has ``deepspeed.initialize``'s signature. ``import ds_chimera``
+installs it as ``deepspeed.initialize`` (now if DeepSpeed is imported, else the moment it
+is), so unchanged scripts pick the schedule from their JSON. Without the key, or for a
+model that is not a ``PipelineModule``, DeepSpeed's own function runs untouched.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+_PATCH_LOCK = threading.Lock()
+_ORIGINAL = {}
+
+
+def _load_config(args, config, config_params):
+    if config is None and config_params is not None:
+        config = config_params
+    if config is None:
+        for attr in ("deepspeed_config", "deepscale_config"):
+            path = getattr(args, attr, None)
+            if path:
+                config = path
+                break
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as fh:
+            config = json.load(fh)
+    return config
+
+
+def _wants_schedule(model, config) -> bool:
+    from deepspeed.runtime.pipe.module import PipelineModule
+    return (isinstance(model, PipelineModule) and isinstance(config, dict)
+            and isinstance(config.get("pipeline"), dict) and "schedule" in config["pipeline"])
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, distributed_port=None, mpu=None, dist_init_required=None,
+               collate_fn=None, config=None, mesh_param=None, config_params=None, **kwargs):
+    """``deepspeed.initialize`` that honours ``"pipeline": {"schedule": ...}``."""
+    import deepspeed
+    original = _ORIGINAL.get("initialize", deepspeed.initialize)
+    call = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                mesh_param=mesh_param, config_params=config_params, **kwargs)
+    if distributed_port is not None:
+        call["distributed_port"] = distributed_port
+    loaded = _load_config(args, config, config_params)
+    if not _wants_schedule(model, loaded):
+        return original(**call)
+    from ..runtime.setup import prepare_module
+    from ..runtime.engine import ScheduledPipelineEngine
+    model_parameters = prepare_module(model, loaded, model_parameters)
+    call.update(config=loaded, config_params=None, model_parameters=model_parameters,
+                optimizer=_rebind_optimizer(optimizer, model))
+    if args is not None and (getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)):
+        # DeepSpeed refuses a config both in args and as a dict; the dict (already read) wins.
+        args = _without_config_path(args)
+        call["args"] = args
+    with _engine_class(ScheduledPipelineEngine):
+        return original(**call)
+
+
+def _rebind_optimizer(optimizer, model):
+    """An optimizer built on the stock stage's parameters is rebuilt on the schedule's chunks."""
+    import torch
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer    # None (config optimizer) or a callable taking the parameters
+    if len(optimizer.param_groups) != 1 or optimizer.state:
+        raise ValueError("ds_chimera rebuilds the pipeline stages: pass the optimizer as a callable "
+                         "(lambda params: torch.optim.AdamW(params, ...)) or in the config, not an "
+                         "instance with several parameter groups or existing state")
+    params = [p for p in model.parameters() if p.requires_grad]
+    return type(optimizer)(params, **optimizer.defaults)
+
+
+def _without_config_path(args):
+    import copy
+    args = copy.copy(args)
+    for attr in ("deepspeed_config", "deepscale_config"):
+        if hasattr(args, attr):
+            setattr(args, attr, None)
+    return args
+
+
+class _engine_class:
+    """Make deepspeed.initialize build ``cls`` instead of PipelineEngine, for one call."""
+
+    def __init__(self, cls):
+        self.cls = cls
+
+    def __enter__(self):
+        import deepspeed
+        _PATCH_LOCK.acquire()
+        self.saved = deepspeed.PipelineEngine
+        deepspeed.PipelineEngine = self.cls
+
+    def __exit__(self, *exc):
+        import deepspeed
+        deepspeed.PipelineEngine = self.saved
+        _PATCH_LOCK.release()
+
+
+def install() -> None:
+    """Replace ``deepspeed.initialize`` with :func:`initialize` (idempotent)."""
+    import deepspeed
+    if getattr(deepspeed.initialize, "_ds_chimera", False):
+        return
+    _ORIGINAL["initialize"] = deepspeed.initialize
+    initialize._ds_chimera = True
+    deepspeed.initialize = initialize
+
+
+class _DeepSpeedImportHook:
+    """Install the patch right after ``import deepspeed``, without importing it ourselves (slow)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "deepspeed":
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            install()
+
+        loader.exec_module = exec_and_patch
+        return spec
+
+
+def install_when_imported() -> None:
+    if "deepspeed" in sys.modules:
+        install()
+    elif not any(isinstance(f, _DeepSpeedImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DeepSpeedImportHook())

@@ -1,0 +1,129 @@
+"""Build the model chunks a placement asks for from a PipelineModule's layer specs.
+
+DeepSpeed builds one stage per rank. A schedule may need other cuts (D*V stages for
+looped schedules, 2D for V-shapes) and several chunks per rank (two replicas' stages for
+Chimera), so the chunks are rebuilt here from ``module._layer_specs``. Every layer is
+built under a fork of the RNG seeded with ``base_seed + global layer index``: replicas of
+a stage start identical on every rank, and the initial model does not depend on the
+schedule, the number of ranks or the placement.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from deepspeed.runtime import utils as ds_utils
+from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
+
+
+def partition(module: PipelineModule, num_stages: int, method: str) -> list:
+    """Layer boundaries of ``num_stages`` stages, with DeepSpeed's partition methods."""
+    specs = module._layer_specs
+    method = (method or "parameters").lower()
+    if len(specs) < num_stages:
+        raise ValueError(f"the model has {len(specs)} layers but the schedule cuts it into {num_stages} stages; "
+                         f"use fewer stages or chunks")
+    if method == "uniform":
+        return ds_utils.partition_uniform(num_items=len(specs), num_parts=num_stages)
+    if method == "parameters":
+        counts = []
+        for layer in specs:
+            if isinstance(layer, LayerSpec):
+                built = layer.build()
+            elif isinstance(layer, nn.Module):
+                built = layer
+            else:
+                counts.append(0)
+                continue
+            counts.append(sum(p.numel() for p in built.parameters() if p.requires_grad))
+        return ds_utils.partition_balanced(weights=counts, num_parts=num_stages)
+    if method.startswith("type:"):
+        marks = [0] * len(specs)
+        for idx in module._find_layer_type(method.split(":", 1)[1]):
+            marks[idx] = 1
+        return ds_utils.partition_balanced(weights=marks, num_parts=num_stages)
+    raise ValueError(f"partition method must be uniform, parameters or type:REGEX; got {method!r}")
+
+
+class Chunk(nn.Module):
+    """The layers of one (replica, stage): runs them in order, with optional checkpointing."""
+
+    def __init__(self, index: int, stage: int, start: int, layers: list, funcs: list,
+                 checkpoint_interval: int = 0, checkpoint_func=None):
+        super().__init__()
+        self.index, self.stage, self.start = index, stage, start
+        self.layers = nn.ModuleDict({str(start + i): m for i, m in enumerate(layers) if isinstance(m, nn.Module)
+                                     and not getattr(m, "_ds_chimera_tied", False)})
+        self.funcs = funcs                         # callables, in order (modules, tied partials, lambdas)
+        self.checkpoint_interval = checkpoint_interval
+        self.checkpoint_func = checkpoint_func
+
+    def _run(self, start: int, stop: int):
+        def run(*inputs):
+            x = inputs[0] if len(inputs) == 1 else inputs
+            for func in self.funcs[start:stop]:
+                x = func(x)
+            return x
+        return run
+
+    def forward(self, x):
+        if not self.checkpoint_interval or not torch.is_grad_enabled():
+            return self._run(0, len(self.funcs))(x)
+        for start in range(0, len(self.funcs), self.checkpoint_interval):
+            stop = min(start + self.checkpoint_interval, len(self.funcs))
+            args = x if isinstance(x, tuple) else (x,)
+            x = self.checkpoint_func(self._run(start, stop), *args)
+        return x
+
+
+def build_chunks(module: PipelineModule, placement, rank: int, parts: list, device,
+                 checkpoint_interval: int = 0, checkpoint_func=None):
+    """Chunks of ``rank`` as a ModuleList, plus the tied modules they share (by key)."""
+    specs = module._layer_specs
+    first_use = {}
+    for idx, spec in enumerate(specs):
+        if isinstance(spec, TiedLayerSpec):
+            first_use.setdefault(spec.key, idx)
+    tied: dict = {}
+    chunks = []
+    for index in placement.chunks_on(rank):
+        stage = placement.chunks[index].stage
+        start, stop = parts[stage], parts[stage + 1]
+        layers, funcs = [], []
+        for idx in range(start, stop):
+            spec = specs[idx]
+            seed_index = first_use.get(spec.key, idx) if isinstance(spec, TiedLayerSpec) else idx
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(module.base_seed + seed_index)   # a tied module: its first use
+                if isinstance(spec, TiedLayerSpec):
+                    if spec.key not in tied:
+                        tied[spec.key] = spec.build()
+                        tied[spec.key]._ds_chimera_tied = True
+                        tied[spec.key]._ds_chimera_tied_attrs = list(spec.tied_weight_attr)
+                    shared = tied[spec.key]
+                    layers.append(shared)
+                    funcs.append(shared if spec.forward_fn is None else partial(spec.forward_fn, shared))
+                elif isinstance(spec, LayerSpec):
+                    built = spec.build()
+                    layers.append(built)
+                    funcs.append(built)
+                elif isinstance(spec, nn.Module):
+                    raise ValueError(f"layer {idx} is an nn.Module instance; ds_chimera needs LayerSpec(...) "
+                                     f"so it can build the layer on the ranks the schedule places it on")
+                else:
+                    layers.append(spec)
+                    funcs.append(spec)
+        chunks.append(Chunk(index, stage, start, layers, funcs, checkpoint_interval, checkpoint_func))
+    chunk_list = nn.ModuleList(chunks).to(device)
+    tied_modules = nn.ModuleDict(tied).to(device)
+    return chunk_list, tied_modules
+
+
+def layer_objects(chunk: Chunk) -> dict:
+    """Global layer index -> the built layer object (module, tied module or function)."""
+    out = {}
+    for i, func in enumerate(chunk.funcs):
+        out[chunk.start + i] = func.args[0] if isinstance(func, partial) else func
+    return out

@@ -1,0 +1,358 @@
+"""The DeepSpeed engine that runs any lowered schedule.
+
+It is DeepSpeed's ``PipelineEngine`` (optimizer wrappers, LR schedulers, checkpoint
+layout, logging, topology) with the step itself replaced: instead of the fixed 1F1B
+instruction stream, :class:`StepExecutor` runs the rank's lowered program. Gradient
+synchronisation, tied weights and clipping are done here because the schedule decides
+when they can start.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.module import TiedLayerSpec
+
+from .executor import StepExecutor, _to_device
+from .p2p import P2P
+
+log = logging.getLogger("ds_chimera")
+
+
+class ScheduledPipelineEngine(PipelineEngine):
+    """A PipelineEngine whose step is the lowered program of a ds_chimera schedule."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        plan = self.module._ds_chimera_plan
+        self.plan = plan
+        self.schedule = plan.schedule
+        self.placement = plan.schedule.placement
+        self.pipe_rank = self.grid.get_stage_id()
+        if self.grid.get_slice_parallel_world_size() != 1:
+            raise ValueError("ds_chimera schedules do not support tensor (slice) parallelism yet; "
+                             f"got slice-parallel size {self.grid.get_slice_parallel_world_size()}")
+        self.dp_size = self.grid.get_data_parallel_world_size()
+        self.chunk_modules = {chunk.index: chunk for chunk in self.module.ds_chimera_chunks}
+        self.tied_modules = self.module.ds_chimera_tied
+        self.chunk_params = {c: [p for p in chunk.parameters() if p.requires_grad]
+                             + [p for key in self._tied_keys_of(chunk) for p in self.tied_modules[key].parameters()
+                                if p.requires_grad]
+                             for c, chunk in self.chunk_modules.items()}
+        self.stage_chunk = {chunk.stage: c for c, chunk in self.chunk_modules.items()}
+        self._build_groups()
+        self.p2p = P2P(self._global_rank_of, self.device, len(self.placement.chunks), plan.timeout_s,
+                       self._nccl_p2p_groups())
+        self.executor = StepExecutor(self)
+        # DeepSpeed's fp32 clipping only sees part of the model; ours clips on the true global norm.
+        self.true_clip = plan.clip
+        self._config.gradient_clipping = 0.0
+        self.pending_syncs = []
+        self.step_records = []
+        if self.global_rank == 0:
+            log.info("ds_chimera: schedule %r on %d ranks x %d data-parallel, %d micro-batches, %d chunk(s) per rank",
+                     self.schedule.name, self.num_stages, self.dp_size, self.micro_batches,
+                     len(self.chunk_modules))
+
+    # ---- topology and groups -------------------------------------------------------------
+    def _global_rank_of(self, pipe_rank: int, dp_id=None) -> int:
+        return self.grid.stage_to_global(pipe_rank) if dp_id is None else \
+            self.grid._topo.get_rank(pipe=pipe_rank, data=dp_id)
+
+    def _tied_keys_of(self, chunk) -> list:
+        specs = self.module._layer_specs
+        start, stop = self.plan.parts[chunk.stage], self.plan.parts[chunk.stage + 1]
+        return sorted({specs[i].key for i in range(start, stop) if isinstance(specs[i], TiedLayerSpec)})
+
+    def _ranks_over_dp(self, pipe_ranks) -> list:
+        return sorted(self._global_rank_of(p, d) for p in pipe_ranks for d in range(self.dp_size))
+
+    def _build_groups(self):
+        """One all-reduce group per stage (its replicas x data parallel) and per tied key.
+
+        ``dist.new_group`` is collective: every rank creates every group, in one order.
+        """
+        placement, specs = self.placement, self.module._layer_specs
+        cache, self.stage_groups, self.tied_groups = {}, {}, {}
+
+        def group_for(ranks):
+            ranks = tuple(ranks)
+            if ranks not in cache:
+                cache[ranks] = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+            return cache[ranks]
+
+        for stage in range(placement.num_stages):
+            group = group_for(self._ranks_over_dp(placement.stage_group(stage)))
+            if stage in self.stage_chunk:
+                self.stage_groups[stage] = group
+        holders = {}
+        for chunk in placement.chunks:
+            for i in range(self.plan.parts[chunk.stage], self.plan.parts[chunk.stage + 1]):
+                if isinstance(specs[i], TiedLayerSpec):
+                    holders.setdefault(specs[i].key, set()).add(chunk.rank)
+        self.tied_owner = {}
+        for key in sorted(holders):
+            group = group_for(self._ranks_over_dp(holders[key]))
+            self.tied_owner[key] = min(holders[key])
+            if key in self.tied_modules:
+                self.tied_groups[key] = group
+
+    def _nccl_p2p_groups(self) -> dict:
+        """NCCL matches point-to-point messages in issue order, not by tag: one group per edge."""
+        if dist.get_backend() == "gloo":
+            return {}
+        groups, placement = {}, self.placement
+        for d in range(self.dp_size):
+            for chunk in placement.chunks:
+                nxt = placement.next_chunk(chunk.index)
+                if nxt is None or placement.rank_of(nxt) == chunk.rank:
+                    continue
+                ranks = sorted({self._global_rank_of(chunk.rank, d), self._global_rank_of(placement.rank_of(nxt), d)})
+                for kind, edge in (("act", (chunk.index, nxt)), ("grad", (nxt, chunk.index))):
+                    group = dist.new_group(ranks)
+                    if self.grid.get_data_parallel_id() == d:
+                        groups[(edge[0], edge[1], kind)] = group
+        return groups
+
+    # ---- data ----------------------------------------------------------------------------
+    def _loads_data(self) -> bool:
+        return self.module._ds_chimera_plan.loads_data(self.grid.get_stage_id())
+
+    def set_dataiterator(self, iterator):
+        if self._loads_data():
+            self.training_dataloader = None
+            self.data_iterator = iterator
+
+    def set_dataloader(self, loader):
+        if self._loads_data():
+            self.training_dataloader = loader
+            self.data_iterator = iter(loader)
+
+    def _load_batches(self, count: int) -> dict:
+        """Every data-loading rank reads all ``count`` micro-batches of the step, in order."""
+        if not self._loads_data():
+            return {}
+        if self.data_iterator is None:
+            raise ValueError("ds_chimera: this rank runs a first or last stage and needs data: pass data_iter "
+                             "to train_batch()/eval_batch() or training_data to initialize()")
+        batches = {}
+        for mb in range(count):
+            batch = self._next_batch()
+            if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+                raise ValueError("pipeline batches must be (inputs, labels) pairs, as DeepSpeed's; "
+                                 f"got {type(batch).__name__}")
+            batches[mb] = (_to_device(batch[0], self.device), _to_device(batch[1], self.device))
+        return batches
+
+    def compute_loss(self, outputs, labels):
+        loss_fn = self.module.loss_fn
+        return loss_fn(outputs, labels) if loss_fn is not None else outputs
+
+    # ---- gradients -----------------------------------------------------------------------
+    def start_grad_sync(self, stage: int) -> None:
+        """Post the all-reduce of one stage's gradients; called by the program right after its last backward."""
+        group = self.stage_groups.get(stage)
+        chunk = self.chunk_modules[self.stage_chunk[stage]]
+        params = [p for p in chunk.parameters() if p.requires_grad]
+        if group is None or not params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = _flatten_dense_tensors(grads)
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        self.pending_syncs.append((work, flat, params, f"stage {stage}"))
+
+    def _finish_grad_syncs(self) -> None:
+        for key in sorted(self.tied_groups):
+            group = self.tied_groups[key]
+            params = [p for p in self.tied_modules[key].parameters() if p.requires_grad]
+            if group is None or not params:
+                continue
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = _flatten_dense_tensors(grads)
+            self.pending_syncs.append((dist.all_reduce(flat, group=group, async_op=True), flat, params,
+                                       f"tied weights {key!r}"))
+        for work, flat, params, what in self.pending_syncs:
+            self.p2p._wait(work, f"the gradient all-reduce of {what}")
+            if self.dp_size > 1:
+                flat.div_(self.dp_size)
+            for p, synced in zip(params, _unflatten_dense_tensors(flat, params)):
+                if p.grad is None:
+                    p.grad = synced.clone()
+                else:
+                    p.grad.copy_(synced)
+        self.pending_syncs = []
+
+    def _owned_params(self) -> list:
+        """Parameters this rank counts in the global norm: each stage and tied module once."""
+        owned = []
+        for c, chunk in self.chunk_modules.items():
+            if min(self.placement.stage_group(chunk.stage)) == self.pipe_rank:
+                owned += [p for p in chunk.parameters() if p.requires_grad]
+        for key, module in self.tied_modules.items():
+            if self.tied_owner[key] == self.pipe_rank:
+                owned += [p for p in module.parameters() if p.requires_grad]
+        return owned
+
+    def global_grad_norm(self) -> float:
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in self._owned_params():
+            if p.grad is not None:
+                squares += p.grad.detach().double().pow(2).sum()
+        dist.all_reduce(squares, group=self.grid.get_pipe_parallel_group())
+        return float(squares.sqrt())
+
+    def _clip_gradients(self) -> None:
+        if self.true_clip <= 0:
+            return
+        norm = self.global_grad_norm()
+        self._global_grad_norm = norm
+        coef = self.true_clip / (norm + 1e-6)
+        if coef < 1.0:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+
+    # ---- steps ---------------------------------------------------------------------------
+    def _aggregate_loss(self, loss_sum, micro_batches: int):
+        """Global mean of the micro-batch losses, on every rank (losses may live on several ranks)."""
+        total = torch.zeros(1, dtype=torch.float32, device=self.device)
+        if loss_sum is not None:
+            total += loss_sum.reshape(-1)[:1].to(total.dtype)
+        work = dist.all_reduce(total, async_op=True)
+        self.p2p._wait(work, "the loss all-reduce")
+        return (total / (micro_batches * self.dp_size)).squeeze(0)
+
+    def train_batch(self, data_iter=None):
+        if not torch._C.is_grad_enabled():
+            raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        start = time.perf_counter()
+        self.tput_timer.start()
+        batches = self._load_batches(self.micro_batches)
+        trace = self.plan.trace_dir is not None
+        loss_sum, _ = self.executor.run(self.plan.program.ops[self.pipe_rank], batches, train=True,
+                                        scale=1.0 / self.micro_batches, trace=trace)
+        self._finish_grad_syncs()
+        self._clip_gradients()
+        self._take_model_step(None)
+        self.agg_train_loss = self._aggregate_loss(loss_sum, self.micro_batches)
+        self.tput_timer.stop(global_step=True)
+        elapsed = time.perf_counter() - start
+        if trace:
+            self._write_trace()
+        if self.global_rank == 0 and self.steps_per_print() and self.global_steps % self.steps_per_print() == 0:
+            samples = self.train_batch_size() / elapsed
+            print(f"[ds_chimera {self.schedule.name}] steps: {self.global_steps} loss: {self.agg_train_loss.item():0.4f} "
+                  f"iter time (s): {elapsed:0.3f} samples/sec: {samples:0.3f}", flush=True)
+        return self.agg_train_loss
+
+    def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg",
+                   bcast_loss=True, num_micro_batches=None):
+        if return_logits or not compute_loss or reduce_output != "avg":
+            raise ValueError("ds_chimera eval_batch supports return_logits=False, compute_loss=True, "
+                             f"reduce_output='avg'; got return_logits={return_logits}, "
+                             f"compute_loss={compute_loss}, reduce_output={reduce_output!r}")
+        if num_micro_batches not in (None, self.micro_batches):
+            raise ValueError(f"ds_chimera eval_batch runs the schedule's {self.micro_batches} micro-batches; "
+                             f"got num_micro_batches={num_micro_batches}")
+        self.module.eval()
+        saved = self.data_iterator
+        self.set_dataiterator(data_iter)
+        try:
+            with torch.no_grad():
+                batches = self._load_batches(self.micro_batches)
+                loss_sum, _ = self.executor.run(self.plan.eval_program.ops[self.pipe_rank], batches,
+                                                train=False, scale=1.0)
+            return self._aggregate_loss(loss_sum, self.micro_batches)
+        finally:
+            self.data_iterator = saved
+            self.module.train()
+
+    def _write_trace(self) -> None:
+        from ..sim.trace import trace_events, write_json_atomic
+        os.makedirs(self.plan.trace_dir, exist_ok=True)
+        events = trace_events(self.executor.records, self.placement, time_unit_us=1e6,
+                              label=f"{self.schedule.name} measured")
+        path = os.path.join(self.plan.trace_dir, f"step{self.global_steps:06d}-rank{self.global_rank:03d}.json")
+        write_json_atomic(path, {"traceEvents": events, "displayTimeUnit": "ms"})
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def _layer_objects(self) -> dict:
+        from .chunks import layer_objects
+        out = {}
+        for chunk in self.chunk_modules.values():
+            out.update({idx: (chunk.stage, obj) for idx, obj in layer_objects(chunk).items()})
+        return out
+
+    def module_state_dict(self, exclude_frozen_parameters=False):
+        """Write one file per global layer index, once per stage even where it is replicated."""
+        path = self._curr_ckpt_path
+        if self.grid.get_data_parallel_id() != 0:
+            return None
+        os.makedirs(path, exist_ok=True)
+        for idx, (stage, obj) in sorted(self._layer_objects().items()):
+            if min(self.placement.stage_group(stage)) != self.pipe_rank or not hasattr(obj, "state_dict"):
+                continue
+            state = {k: v.detach().clone() for k, v in obj.state_dict().items()}
+            if exclude_frozen_parameters:
+                frozen = {n for n, p in obj.named_parameters() if not p.requires_grad}
+                state = {k: v for k, v in state.items() if k not in frozen}
+            final = os.path.join(path, f"layer_{idx:02d}-model_states.pt")
+            tmp = f"{final}.tmp{os.getpid()}"
+            torch.save(state, tmp)
+            os.replace(tmp, final)
+        return None
+
+    def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None, fetch_z3_params=False,
+                               z3_params_to_fetch=None, allowed_missing_keys=None):
+        path = self._curr_ckpt_path
+        for idx, (_, obj) in sorted(self._layer_objects().items()):
+            if not hasattr(obj, "load_state_dict"):
+                continue
+            file = os.path.join(path, f"layer_{idx:02d}-model_states.pt")
+            if not os.path.exists(file):
+                raise FileNotFoundError(f"checkpoint {path} has no weights for layer {idx} ({file})")
+            obj.load_state_dict(torch.load(file, map_location=self.device, weights_only=False), strict=strict)
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False):
+        """DeepSpeed's checkpoint, written into a temporary tag and renamed when every rank is done.
+
+        A crash mid-save leaves the previous checkpoint and ``latest`` untouched.
+        """
+        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
+        tmp_tag = f"{tag}.incomplete"
+        state = dict(client_state or {})
+        state["ds_chimera_schedule"] = self.schedule.name
+        if self.global_rank == 0 and os.path.isdir(os.path.join(save_dir, tmp_tag)):
+            shutil.rmtree(os.path.join(save_dir, tmp_tag))
+        dist.barrier()
+        super().save_checkpoint(save_dir, tag=tmp_tag, client_state=state, save_latest=False,
+                                exclude_frozen_parameters=exclude_frozen_parameters)
+        dist.barrier()
+        if self.global_rank == 0:
+            final, staged = os.path.join(save_dir, tag), os.path.join(save_dir, tmp_tag)
+            if os.path.isdir(final):
+                old = f"{final}.old"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                os.replace(staged, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(staged, final)
+            if save_latest:
+                latest = os.path.join(save_dir, "latest")
+                with open(f"{latest}.tmp", "w") as fh:
+                    fh.write(tag)
+                os.replace(f"{latest}.tmp", latest)
+        dist.barrier()
+        return True

@@ -1,0 +1,138 @@
+"""Execute one rank's lowered program for one step: the only place compute actions run.
+
+The executor keeps per-(chunk, micro-batch) state (inputs, outputs, pending input-grads,
+deferred weight-grads), because schedules other than 1F1B reorder backwards freely; the
+stock engine's single ``self.loss`` / ``self.grad_layer`` cannot express that.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..schedules.actions import (BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, CommBatch, GradSync,
+                                 OptimizerStep)
+
+
+def _as_tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _pack(tensors):
+    return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+
+def _to_device(x, device):
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_device(t, device) for t in x)
+    return x
+
+
+def _as_leaf(tensors, train: bool):
+    """Detached copies that start a new autograd graph and collect this chunk's input grads."""
+    out = []
+    for t in tensors:
+        leaf = t.detach()
+        if train and leaf.is_floating_point():
+            leaf.requires_grad_(True)
+        out.append(leaf)
+    return out
+
+
+class StepExecutor:
+    """Runs the ops of one rank. ``ctx`` is the engine: chunks, placement, p2p, loss, syncs."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.placement = ctx.placement
+        self.records: list = []          # (rank, kind, chunk, mb, start, end) when tracing
+
+    def run(self, ops, batches: dict, train: bool, scale: float, trace: bool = False):
+        """Execute ``ops``. Returns (sum of this rank's micro-batch losses, their count)."""
+        ctx, placement = self.ctx, self.placement
+        inputs, outputs, input_grads, deferred, received = {}, {}, {}, {}, {}
+        loss_sum, loss_count = None, 0
+        t0 = time.perf_counter()
+        self.records = []
+        for op in ops:
+            if type(op) is Action:
+                start = time.perf_counter()
+                kind, c, mb = op
+                chunk = ctx.chunk_modules[c]
+                if kind == FORWARD:
+                    prev = placement.prev_chunk(c)
+                    if prev is None:
+                        x = batches[mb][0]
+                        inputs[(c, mb)] = list(_as_tuple(x))
+                    else:
+                        if placement.rank_of(prev) == ctx.pipe_rank:
+                            src = _as_tuple(outputs[(prev, mb)])
+                        else:
+                            src = received.pop(("act", prev, c, mb))
+                        inputs[(c, mb)] = _as_leaf(src, train)
+                        x = _pack(inputs[(c, mb)])
+                    with torch.set_grad_enabled(train):
+                        out = chunk(x)
+                    if placement.next_chunk(c) is None:
+                        out = ctx.compute_loss(out, batches[mb][1])
+                        value = out.detach().float()
+                        loss_sum = value if loss_sum is None else loss_sum + value
+                        loss_count += 1
+                    if train or placement.next_chunk(c) is not None:
+                        outputs[(c, mb)] = out
+                elif kind in (BACKWARD, INPUT_GRAD):
+                    out = outputs.pop((c, mb))
+                    nxt = placement.next_chunk(c)
+                    if nxt is None:
+                        tensors, grads = [out * scale], None
+                    else:
+                        if placement.rank_of(nxt) == ctx.pipe_rank:
+                            grads = input_grads.pop((nxt, mb))
+                        else:
+                            grads = received.pop(("grad", nxt, c, mb))
+                        tensors = [t for t in _as_tuple(out) if t.requires_grad]
+                        if len(tensors) != len(grads):
+                            raise RuntimeError(f"chunk {c} micro-batch {mb}: {len(tensors)} outputs need grads "
+                                               f"but {len(grads)} gradients arrived")
+                    leaves = [t for t in inputs.pop((c, mb), []) if t.requires_grad]
+                    if kind == BACKWARD:
+                        torch.autograd.backward(tensors, grad_tensors=grads)
+                    else:
+                        if leaves:
+                            torch.autograd.backward(tensors, grad_tensors=grads, inputs=leaves, retain_graph=True)
+                        deferred[(c, mb)] = (tensors, grads)
+                    if placement.prev_chunk(c) is not None:
+                        input_grads[(c, mb)] = [t.grad if t.grad is not None else torch.zeros_like(t)
+                                                for t in leaves]
+                elif kind == WEIGHT_GRAD:
+                    tensors, grads = deferred.pop((c, mb))
+                    params = ctx.chunk_params[c]
+                    if params:
+                        torch.autograd.backward(tensors, grad_tensors=grads, inputs=params)
+                else:
+                    raise RuntimeError(f"the synchronous runtime cannot execute action {op}")
+                if trace:
+                    self.records.append((ctx.pipe_rank, kind, c, mb, start - t0, time.perf_counter() - t0))
+            elif type(op) is CommBatch:
+                for msg in op.sends:
+                    payload = outputs[(msg.src, msg.mb)] if msg.kind == "act" else input_grads.pop((msg.src, msg.mb))
+                    ctx.p2p.send(msg, placement.rank_of(msg.dst), payload)
+                for msg in op.recvs:
+                    what = (f"{'activation' if msg.kind == 'act' else 'gradient'} of micro-batch {msg.mb} "
+                            f"from rank {placement.rank_of(msg.src)} (chunk {msg.src} -> {msg.dst})")
+                    received[(msg.kind, msg.src, msg.dst, msg.mb)] = ctx.p2p.recv(msg, placement.rank_of(msg.src), what)
+            elif type(op) is GradSync:
+                if train:
+                    ctx.start_grad_sync(op.stage)
+            elif type(op) is OptimizerStep:
+                pass   # the engine finishes syncs and steps after the program, see engine.train_batch
+            else:
+                raise RuntimeError(f"unknown op {op!r}")
+        if train:
+            leftovers = {k for d in (outputs, deferred) for k in d}
+            if leftovers:
+                raise RuntimeError(f"internal error: work left after the step: {sorted(leftovers)[:5]}")
+        ctx.p2p.flush()
+        return loss_sum, loss_count

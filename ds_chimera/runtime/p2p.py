@@ -1,0 +1,117 @@
+"""Point-to-point transfer of activations and gradients between chunks on different ranks.
+
+Each transfer is a fixed-size int64 header (count, dtypes, shapes) followed by the
+tensors, so shapes may change from micro-batch to micro-batch. Sends are posted without
+blocking; receives wait with a deadline, so a dead or stuck peer becomes a clear error
+instead of a hang. With gloo, messages are told apart by tag. NCCL ignores tags and
+matches in issue order, so there every (edge, kind) gets its own two-rank group; the
+simulator checks that each edge's sends and receives run in the same micro-batch order.
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+          torch.bool, torch.uint8, torch.int8, torch.int16]
+HEADER = 128
+MAX_DIMS = 8
+
+
+class PeerTimeout(RuntimeError):
+    """A peer did not deliver within the configured time: it died or is stuck."""
+
+
+def _as_tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def encode_header(tensors) -> torch.Tensor:
+    header = torch.zeros(HEADER, dtype=torch.int64)
+    header[0] = len(tensors)
+    pos = 1
+    for t in tensors:
+        if t.dim() > MAX_DIMS:
+            raise ValueError(f"pipeline tensors may have at most {MAX_DIMS} dims, got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            raise ValueError(f"unsupported pipeline tensor dtype {t.dtype}; allowed: {DTYPES}")
+        fields = [DTYPES.index(t.dtype), int(t.requires_grad), t.dim(), *t.shape]
+        if pos + len(fields) > HEADER:
+            raise ValueError(f"too many tensors in one pipeline message ({len(tensors)})")
+        header[pos:pos + len(fields)] = torch.tensor(fields, dtype=torch.int64)
+        pos += len(fields)
+    return header
+
+
+def decode_header(header: torch.Tensor) -> list:
+    values = header.tolist()
+    out, pos = [], 1
+    for _ in range(values[0]):
+        dtype, requires_grad, ndim = values[pos:pos + 3]
+        shape = values[pos + 3:pos + 3 + ndim]
+        out.append((DTYPES[dtype], bool(requires_grad), shape))
+        pos += 3 + ndim
+    return out
+
+
+class P2P:
+    """Sends and receives :class:`~ds_chimera.schedules.actions.Message` payloads."""
+
+    def __init__(self, to_global_rank, device, num_chunks: int, timeout_s: float, groups=None):
+        self.to_global = to_global_rank      # pipeline rank -> global rank
+        self.device = device
+        self.num_chunks = num_chunks
+        self.timeout = timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self.groups = groups or {}            # (src_chunk, dst_chunk, kind) -> group (NCCL only)
+        self.pending_sends: list = []
+        self.header_on_device = dist.get_backend() != "gloo"
+
+    def _tag(self, msg, part: int) -> int:
+        kind_bit = 0 if msg.kind == "act" else 1
+        return (((msg.mb * self.num_chunks + msg.src) * self.num_chunks + msg.dst) * 2 + kind_bit) * 16 + part
+
+    def _group(self, msg):
+        return self.groups.get((msg.src, msg.dst, msg.kind))
+
+    def send(self, msg, dst_rank: int, tensors) -> None:
+        tensors = [t.detach().contiguous() for t in _as_tuple(tensors)]
+        header = encode_header(tensors)
+        if self.header_on_device:
+            header = header.to(self.device)
+        peer, group = self.to_global(dst_rank), self._group(msg)
+        works = [dist.isend(header, peer, group=group, tag=self._tag(msg, 0))]
+        for i, t in enumerate(tensors):
+            works.append(dist.isend(t, peer, group=group, tag=self._tag(msg, i + 1)))
+        self.pending_sends.append((works, header, tensors))
+
+    def _wait(self, work, what: str) -> None:
+        start = time.monotonic()
+        try:
+            work.wait(self.timeout)
+        except Exception as exc:   # gloo raises RuntimeError on timeout or a closed connection
+            waited = time.monotonic() - start
+            raise PeerTimeout(f"ds_chimera: {what} did not arrive after {waited:.1f}s "
+                              f"(timeout {self.timeout_s:g}s): the peer rank died or is stuck. "
+                              f"Cause: {exc}") from exc
+
+    def recv(self, msg, src_rank: int, what: str):
+        peer, group = self.to_global(src_rank), self._group(msg)
+        header = torch.zeros(HEADER, dtype=torch.int64, device=self.device if self.header_on_device else "cpu")
+        self._wait(dist.irecv(header, peer, group=group, tag=self._tag(msg, 0)), what)
+        out = []
+        for i, (dtype, requires_grad, shape) in enumerate(decode_header(header.cpu())):
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            self._wait(dist.irecv(buf, peer, group=group, tag=self._tag(msg, i + 1)), what)
+            out.append(buf)
+        return out
+
+    def flush(self) -> None:
+        """Wait for every posted send (end of step): their buffers may then be freed."""
+        for works, _, _ in self.pending_sends:
+            for work in works:
+                self._wait(work, "a send")
+        self.pending_sends = []

@@ -1,0 +1,100 @@
+"""Everything decided before DeepSpeed's engine is built: schedule, program, layer cut.
+
+Validation happens here, on every rank, before any step runs, so bad configurations fail
+at ``initialize`` with a message that names the bad value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..schedules import registry
+from ..schedules.actions import FORWARD
+from ..schedules.base import Schedule
+from ..schedules.lowering import Program, lower
+from ..sim.simulator import simulate
+
+# keys of the "pipeline" section that DeepSpeed itself owns
+DEEPSPEED_PIPELINE_KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_interval",
+                           "pipe_partitioned", "grad_partitioned", "use_reentrant"}
+RUNTIME_KEYS = {"schedule", "timeout", "trace_dir", "partition_method"}
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Plan:
+    schedule: Schedule
+    program: Program          # training: lowered with grad syncs and the optimizer step
+    eval_program: Program     # forward only
+    parts: list               # layer boundaries of the placement's stages
+    timeout_s: float
+    trace_dir: str | None
+    clip: float
+
+    @property
+    def placement(self):
+        return self.schedule.placement
+
+    def loads_data(self, pipe_rank: int) -> bool:
+        """True if the rank runs a first or a last stage of some micro-batch's route."""
+        placement = self.placement
+        return any(placement.prev_chunk(c) is None or placement.next_chunk(c) is None
+                   for c in placement.chunks_on(pipe_rank))
+
+
+def schedule_options(section: dict) -> tuple:
+    """Split the DeepSpeed "pipeline" section into (schedule name, schedule options, runtime options)."""
+    name = section["schedule"]
+    if not isinstance(name, str):
+        raise ValueError(f'"pipeline": {{"schedule": ...}} must be a schedule name, got {name!r}')
+    cls = registry.get(name)
+    options, runtime = {}, {}
+    for key, value in section.items():
+        if key in RUNTIME_KEYS:
+            runtime[key] = value
+        elif key in cls.options:
+            options[key] = value
+        elif key not in DEEPSPEED_PIPELINE_KEYS:
+            allowed = sorted(set(cls.options) | (RUNTIME_KEYS - {"schedule"}))
+            raise ValueError(f'"pipeline" option {key!r} is not understood by schedule {name!r}; '
+                             f"allowed: {', '.join(allowed)} (plus DeepSpeed's own pipeline keys)")
+    return name, options, runtime
+
+
+def micro_batches_from_config(config: dict, dp: int) -> int:
+    """DeepSpeed's gradient_accumulation_steps, derived from the batch keys as DeepSpeed does."""
+    tbs = config.get("train_batch_size")
+    mbs = config.get("train_micro_batch_size_per_gpu")
+    gas = config.get("gradient_accumulation_steps")
+    if gas is not None:
+        return int(gas)
+    if tbs is not None and mbs is not None:
+        if tbs % (mbs * dp):
+            raise ValueError(f"train_batch_size {tbs} is not divisible by train_micro_batch_size_per_gpu {mbs} "
+                             f"x data-parallel size {dp}")
+        return tbs // (mbs * dp)
+    return 1
+
+
+def make_plan(config: dict, num_stages: int, dp: int, num_layers: int, parts_fn) -> Plan:
+    section = config.get("pipeline") or {}
+    name, options, runtime = schedule_options(section)
+    micro_batches = micro_batches_from_config(config, dp)
+    schedule = registry.get(name)(num_stages, micro_batches, **options)
+    if not schedule.synchronous:
+        raise ValueError(f"schedule {name!r} is asynchronous; it runs on the asynchronous runtime, not this one")
+    timeout = runtime.get("timeout", DEFAULT_TIMEOUT_S)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ValueError(f'"pipeline": {{"timeout": ...}} must be a number of seconds > 0, got {timeout!r}')
+    if num_layers < schedule.placement.num_stages:
+        raise ValueError(f"schedule {name!r} cuts the model into {schedule.placement.num_stages} stages "
+                         f"but the PipelineModule has only {num_layers} layers")
+    program = schedule.lower()
+    proof = simulate(program)
+    if not proof.valid:   # a plugin schedule can be wrong; never run one the simulator rejects
+        raise ValueError(f"schedule {name!r} is invalid for stages={num_stages}, micro_batches={micro_batches}: "
+                         f"{(proof.errors or list(proof.deadlock.values()))[:3]}")
+    forward_orders = [[a for a in order if a.kind == FORWARD] for order in schedule.orders]
+    eval_program = lower(name + "-eval", schedule.placement, forward_orders, synchronous=False)
+    parts = parts_fn(schedule.placement.num_stages, runtime.get("partition_method"))
+    clip = float(config.get("gradient_clipping", 1.0))
+    return Plan(schedule, program, eval_program, parts, float(timeout), runtime.get("trace_dir"), clip)

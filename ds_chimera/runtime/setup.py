@@ -1,0 +1,101 @@
+"""Turn a user's PipelineModule into the chunks a schedule needs, before DeepSpeed sees it."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .plan import make_plan
+
+
+def prepare_module(module, config: dict, model_parameters):
+    """Validate the schedule, build this rank's chunks and replace the stock stage's layers.
+
+    Returns the parameters the optimizer should see. Raises ValueError for a bad schedule,
+    option or layer count, on every rank and before any step.
+    """
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    from .chunks import build_chunks, partition
+    grid = module._grid
+    if grid.get_slice_parallel_world_size() != 1:
+        raise ValueError("ds_chimera schedules need tensor (slice) parallel size 1, got "
+                         f"{grid.get_slice_parallel_world_size()}")
+    num_stages = grid.pipe_parallel_size
+    dp = grid.data_parallel_size
+    old_params = {id(p) for p in module.parameters()}
+
+    def parts_fn(num_parts, method):
+        if method is None and num_parts == num_stages:
+            return list(module.parts)          # the user's own cut, whatever method made it
+        return partition(module, num_parts, method or _infer_method(module, num_stages))
+
+    zero = (config.get("zero_optimization") or {}).get("stage", 0)
+    if zero >= 2:
+        raise ValueError(f"ZeRO stage {zero} does not compose with pipeline schedules; use stage 0 or 1")
+    plan = make_plan(config, num_stages, dp, len(module._layer_specs), parts_fn)
+    device = get_accelerator().device_name(module.local_rank)
+    checkpoint_func = _checkpoint_function(module, plan)
+    chunks, tied = build_chunks(module, plan.placement, grid.get_stage_id(), plan.parts, device,
+                                module.activation_checkpoint_interval, checkpoint_func)
+    # Drop the stage DeepSpeed built; keep the module object (its grid, loss_fn, specs).
+    for name in list(module._modules):
+        if name.isdigit() or name == "tied_modules":     # the stock stage's layers, not loss_fn etc.
+            del module._modules[name]
+    module.forward_funcs = []
+    module.fwd_map = {}
+    module.tied_modules = nn.ModuleDict()
+    module.tied_weight_attrs = {}
+    module.tied_comms = {}
+    module.ds_chimera_chunks = chunks
+    module.ds_chimera_tied = tied
+    module._ds_chimera_plan = plan
+    for p in module.parameters():
+        p.ds_pipe_replicated = False
+    if dist.get_rank() == 0:
+        sim_parts = ", ".join(f"stage {s}: layers [{plan.parts[s]}, {plan.parts[s + 1]})"
+                              for s in range(plan.placement.num_stages))
+        print(f"[ds_chimera] schedule {plan.schedule!r}; {sim_parts}", flush=True)
+    return _remap_parameters(module, model_parameters, old_params)
+
+
+def _checkpoint_function(module, plan):
+    """Activation checkpointing that works for every schedule.
+
+    DeepSpeed's default (reentrant) checkpoint drops gradients when a chunk's input does
+    not require grad (every first stage) and cannot serve a split backward, which asks
+    autograd for some gradients only. torch's non-reentrant checkpoint handles both, so it
+    replaces DeepSpeed's two built-in functions; a user's own function is kept unless the
+    schedule splits the backward.
+    """
+    import functools
+
+    import torch.utils.checkpoint
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+    split = any(a.kind in ("I", "W") for order in plan.schedule.orders for a in order)
+    user = module.activation_checkpoint_func
+    if split or user in (checkpointing.checkpoint, checkpointing.non_reentrant_checkpoint):
+        return functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    return user
+
+
+def _infer_method(module, num_stages: int) -> str:
+    """PipelineModule does not keep its partition method: find the one that reproduces its cut."""
+    from .chunks import partition
+    for method in ("parameters", "uniform"):
+        if list(partition(module, num_stages, method)) == list(module.parts):
+            return method
+    return "parameters"
+
+
+def _remap_parameters(module, model_parameters, old_params: set):
+    if model_parameters is None:
+        return None
+    given = list(model_parameters)
+    if given and all(isinstance(p, torch.Tensor) for p in given):
+        if all(id(p) in old_params for p in given):
+            return [p for p in module.parameters() if p.requires_grad]
+    if not given:
+        return [p for p in module.parameters() if p.requires_grad]
+    raise ValueError("ds_chimera rebuilds the pipeline stages a schedule needs, so model_parameters must be "
+                     "None or model.parameters() of the PipelineModule; parameter groups are not supported yet")

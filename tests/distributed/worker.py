@@ -1,0 +1,244 @@
+"""Multi-rank scenarios, run once per test session by torchrun (4 gloo ranks on CPU).
+
+Usage: torchrun --nproc_per_node 4 worker.py OUT.json SCENARIO[,SCENARIO...]
+Each scenario trains a small PipelineModule with a ds_chimera schedule (or DeepSpeed's
+stock engine) and compares it with single-process training on the same global batches.
+Rank 0 writes {scenario: result} to OUT.json; tests assert on it.
+"""
+import json
+import os
+import shutil
+import sys
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as tdist
+
+import deepspeed
+import ds_chimera  # noqa: F401  (installs the "pipeline": {"schedule": ...} switch)
+from deepspeed.pipe import PipelineModule
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import BASE_SEED, CountingTanh, build_reference, make_global_batches, mlp_specs, run_reference  # noqa: E402
+
+LR, MICRO = 0.05, 2
+
+
+def config(schedule, n, dp, clip=0.5, **options):
+    cfg = {"train_batch_size": n * MICRO * dp, "train_micro_batch_size_per_gpu": MICRO,
+           "gradient_clipping": clip, "steps_per_print": 1000}
+    if schedule is not None:
+        cfg["pipeline"] = {"schedule": schedule, "timeout": 60, **options}
+    return cfg
+
+
+def make_engine(stages, cfg, specs, activation_checkpoint_interval=0):
+    net = PipelineModule(layers=specs, num_stages=stages, loss_fn=torch.nn.MSELoss(), partition_method="uniform",
+                         seed_layers=True, base_seed=BASE_SEED,
+                         activation_checkpoint_interval=activation_checkpoint_interval)
+    engine, _, _, _ = deepspeed.initialize(model=net, config=cfg,
+                                           optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9))
+    return engine
+
+
+def my_batches(engine, global_batches, step, n):
+    dp_id = engine.grid.get_data_parallel_id()
+    return global_batches(step)[dp_id * n:(dp_id + 1) * n]
+
+
+def local_layers(engine):
+    """global layer index -> module, for whatever engine (ours or stock)."""
+    if hasattr(engine, "chunk_modules"):
+        return {idx: obj for idx, (_, obj) in engine._layer_objects().items()}
+    module = engine.module
+    return {module._local_start + i: f for i, f in enumerate(module.forward_funcs)}
+
+
+def max_param_diff(engine, ref_layers):
+    worst = 0.0
+    for idx, obj in local_layers(engine).items():
+        if isinstance(obj, torch.nn.Module):
+            for p, q in zip(obj.parameters(), ref_layers[idx].parameters()):
+                worst = max(worst, (p.detach().float() - q.detach().float()).abs().max().item())
+    t = torch.tensor([worst])
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return t.item()
+
+
+def replica_spread(engine):
+    """Largest difference between replicas of one stage (Chimera's two copies), over all ranks."""
+    states = {}
+    for idx, obj in local_layers(engine).items():
+        if isinstance(obj, torch.nn.Module):
+            states[idx] = [p.detach().clone() for p in obj.parameters()]
+    gathered = [None] * tdist.get_world_size()
+    tdist.all_gather_object(gathered, states)
+    worst, copies = 0.0, 0
+    for idx in set().union(*[g.keys() for g in gathered]):
+        holders = [g[idx] for g in gathered if idx in g]
+        copies = max(copies, len(holders))
+        for other in holders[1:]:
+            for p, q in zip(holders[0], other):
+                worst = max(worst, (p - q).abs().max().item())
+    return worst, copies
+
+
+def train_and_compare(schedule, stages, dp, n, steps=3, tied=False, clip=0.5, aci=0, **options):
+    specs = mlp_specs(16, tied=tied)
+    engine = make_engine(stages, config(schedule, n, dp, clip, **options), specs, aci)
+    global_batches = make_global_batches(n * dp)
+    CountingTanh.calls = 0
+    losses = [engine.train_batch(iter(my_batches(engine, global_batches, s, n))).item() for s in range(steps)]
+    calls = torch.tensor([CountingTanh.calls])
+    tdist.all_reduce(calls)
+    ref_layers = build_reference(specs)
+    ref_losses, ref_norms = run_reference(ref_layers, global_batches, steps, LR, clip)
+    result = {"max_param_diff": max_param_diff(engine, ref_layers), "losses": losses, "ref_losses": ref_losses,
+              "ref_norms": ref_norms, "clip": clip,
+              "tanh_forwards_per_micro_batch": calls.item() / (steps * n * dp * sum(
+                  1 for spec in specs if getattr(spec, "typename", None) is CountingTanh))}
+    result["max_loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    result["replica_spread"], result["copies"] = replica_spread(engine)
+    eval_loss = engine.eval_batch(iter(my_batches(engine, global_batches, steps, n))).item()
+    ref_eval = sum(torch.nn.functional.mse_loss(_forward(ref_layers, x), y).item()
+                   for x, y in global_batches(steps)) / (n * dp)
+    result["eval_diff"] = abs(eval_loss - ref_eval)
+    return result
+
+
+def _forward(layers, x):
+    with torch.no_grad():
+        for layer in layers:
+            x = layer(x)
+    return x
+
+
+def checkpoint_resume(schedule, stages, dp, n, load_schedule=None, **options):
+    """Train 2 steps, save, train 2 more; a fresh engine loads the save and trains 2: same weights."""
+    specs = mlp_specs(16)
+    global_batches = make_global_batches(n * dp)
+    root = None
+    if tdist.get_rank() == 0:
+        root = tempfile.mkdtemp(prefix="dsc_ckpt_")
+    holder = [root]
+    tdist.broadcast_object_list(holder, src=0)
+    root = holder[0]
+    a = make_engine(stages, config(schedule, n, dp, **options), specs)
+    for s in range(2):
+        a.train_batch(iter(my_batches(a, global_batches, s, n)))
+    a.save_checkpoint(root, tag="step2")
+    for s in range(2, 4):
+        a.train_batch(iter(my_batches(a, global_batches, s, n)))
+    files = sorted(os.listdir(os.path.join(root, "step2"))) if tdist.get_rank() == 0 else []
+    cross = load_schedule is not None
+    b_cfg = config(load_schedule if cross else schedule, n, dp,
+                   **({} if cross or load_schedule == "" else options))
+    if load_schedule == "stock":
+        b_cfg = config(None, n, dp)
+    b = make_engine(stages, b_cfg, specs)
+    b.load_checkpoint(root, load_optimizer_states=not cross, load_lr_scheduler_states=not cross)
+    result = {"files": files, "latest": open(os.path.join(root, "latest")).read() if tdist.get_rank() == 0 else ""}
+    if cross:   # weights must match the saved ones exactly
+        ref = build_reference(specs)
+        saved = {}
+        if tdist.get_rank() == 0:
+            for name in files:
+                if name.startswith("layer_"):
+                    saved[int(name[6:8])] = torch.load(os.path.join(root, "step2", name))
+        holder = [saved]
+        tdist.broadcast_object_list(holder, src=0)
+        for idx, state in holder[0].items():
+            ref[idx].load_state_dict(state)
+        result["max_param_diff"] = max_param_diff(b, ref)
+    else:
+        for s in range(2, 4):
+            b.train_batch(iter(my_batches(b, global_batches, s, n)))
+        worst = 0.0
+        la, lb = local_layers(a), local_layers(b)
+        for idx, obj in la.items():
+            if isinstance(obj, torch.nn.Module):
+                for p, q in zip(obj.parameters(), lb[idx].parameters()):
+                    worst = max(worst, (p - q).abs().max().item())
+        t = torch.tensor([worst])
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        result["max_param_diff"] = t.item()
+    tdist.barrier()
+    if tdist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return result
+
+
+def stock_clipping(n=8):
+    """DeepSpeed's stock fp32 pipeline clipping against the true global norm, same model and data."""
+    specs = mlp_specs(16)
+    global_batches = make_global_batches(n)
+    out = {}
+    for name, schedule in (("stock", None), ("ours", "1f1b")):
+        engine = make_engine(4, config(schedule, n, 1, clip=0.05), specs)
+        for s in range(3):
+            engine.train_batch(iter(my_batches(engine, global_batches, s, n)))
+        ref = build_reference(specs)
+        run_reference(ref, global_batches, 3, LR, 0.05)
+        out[name] = max_param_diff(engine, ref)
+    return out
+
+
+def bad_config(kind):
+    specs = mlp_specs(16)
+    try:
+        if kind == "unknown":
+            make_engine(4, config("chimaera", 8, 1), specs)
+        elif kind == "pipelines":
+            make_engine(4, config("chimera", 8, 1, pipelines=3), specs)
+        elif kind == "interleaved-n":
+            make_engine(4, config("interleaved", 6, 1), specs)
+        elif kind == "option":
+            make_engine(4, config("1f1b", 8, 1, chunks=2), specs)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+SCENARIOS = {}
+SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved": {"chunks": 2}, "breadth-first": {"chunks": 2},
+             "chimera": {}, "chimera-fd": {"order": "forward-doubling"}, "chimera-merged": {"order": "merged"},
+             "chimera-concat": {"order": "concat"}, "zb-h1": {}, "zbv": {}, "dualpipev": {}}
+for key, opts in SCHEDULES.items():
+    name = key.split("-")[0] if key.startswith("chimera") else key
+    SCENARIOS[f"equiv-4x1-{key}"] = (lambda name=name, opts=opts: train_and_compare(name, 4, 1, 8, **opts))
+    SCENARIOS[f"equiv-2x2-{key}"] = (lambda name=name, opts=opts: train_and_compare(name, 2, 2, 4, **opts))
+SCENARIOS["tied-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8, tied=True)
+SCENARIOS["tied-4x1-1f1b"] = lambda: train_and_compare("1f1b", 4, 1, 8, tied=True)
+SCENARIOS["tied-2x2-zbv"] = lambda: train_and_compare("zbv", 2, 2, 4, tied=True)
+SCENARIOS["actckpt-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8, aci=1)
+SCENARIOS["actckpt-4x1-zb-h1"] = lambda: train_and_compare("zb-h1", 4, 1, 8, aci=1)
+SCENARIOS["actckpt-4x1-interleaved"] = lambda: train_and_compare("interleaved", 4, 1, 8, aci=1, chunks=2)
+SCENARIOS["ckpt-resume-chimera"] = lambda: checkpoint_resume("chimera", 4, 1, 8)
+SCENARIOS["ckpt-resume-2x2-zbv"] = lambda: checkpoint_resume("zbv", 2, 2, 4)
+SCENARIOS["ckpt-cross-chimera-to-1f1b"] = lambda: checkpoint_resume("chimera", 4, 1, 8, load_schedule="1f1b")
+SCENARIOS["ckpt-cross-chimera-to-stock"] = lambda: checkpoint_resume("chimera", 4, 1, 8, load_schedule="stock")
+SCENARIOS["ckpt-cross-zbv-to-interleaved"] = lambda: checkpoint_resume("zbv", 4, 1, 8, load_schedule="interleaved")
+SCENARIOS["stock-clipping"] = stock_clipping
+for kind in ("unknown", "pipelines", "interleaved-n", "option"):
+    SCENARIOS[f"bad-{kind}"] = (lambda kind=kind: bad_config(kind))
+
+
+def main():
+    out_path, names = sys.argv[1], sys.argv[2].split(",")
+    deepspeed.init_distributed(dist_backend="gloo")
+    results = {}
+    for name in names:
+        try:
+            results[name] = SCENARIOS[name]()
+        except Exception:
+            results[name] = {"exception": traceback.format_exc()}
+            raise
+    if tdist.get_rank() == 0:
+        with open(out_path + ".tmp", "w") as fh:
+            json.dump(results, fh, indent=1)
+        os.replace(out_path + ".tmp", out_path)
+
+
+if __name__ == "__main__":
+    main()
