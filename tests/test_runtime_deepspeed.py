@@ -56,11 +56,15 @@ def test_chimera_holds_two_replicas_per_stage(results):
     assert results["equiv-4x1-1f1b"]["copies"] == 1
 
 
-@pytest.mark.parametrize("scenario", ["actckpt-4x1-chimera", "actckpt-4x1-zb-h1", "actckpt-4x1-interleaved"])
-def test_activation_checkpointing(results, scenario):
+@pytest.mark.parametrize("scenario,forwards", [
+    ("actckpt-4x1-chimera", 2.0), ("actckpt-4x1-interleaved", 2.0),
+    # A split backward recomputes a checkpointed block for I and again for W (the first stage,
+    # which has no input grad, only for W): (2 + 3 + 3 + 3) / 4 forwards per micro-batch.
+    ("actckpt-4x1-zb-h1", 2.75)])
+def test_activation_checkpointing(results, scenario, forwards):
     r = results[scenario]
     assert r["max_param_diff"] <= 1e-5 and r["max_loss_diff"] <= 1e-5
-    assert r["tanh_forwards_per_micro_batch"] == 2.0       # every layer block recomputed once
+    assert r["tanh_forwards_per_micro_batch"] == forwards
 
 
 @pytest.mark.parametrize("scenario", ["ckpt-resume-chimera", "ckpt-resume-2x2-zbv"])
