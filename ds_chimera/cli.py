@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds-chimera", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("schedules", help="list every schedule, entry-point plugins included")
+    sub.add_parser("launch", help="run a DeepSpeed script with the schedule switch: "
+                                  "ds-chimera launch [--torchrun] LAUNCHER_ARGS... script.py ARGS...")
     _add_sim_args(sub.add_parser("simulate", help="simulate a schedule and report its metrics"))
     plot = sub.add_parser("plot", help="simulate and write a Gantt chart (same flags as simulate)")
     _add_sim_args(plot)
@@ -138,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "launch":      # everything after "launch" belongs to the launcher
+        from .launch import main as launch_main
+        return launch_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,27 @@
+"""``ds-chimera launch`` makes an unchanged script use the configured schedule."""
+import os
+import subprocess
+import sys
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed", "unchanged_script.py")
+
+
+def run(*args):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "ds_chimera.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_launch_enables_the_schedule_without_code_changes():
+    proc = run("launch", "--torchrun", "--nproc_per_node", "2", "--master_port", "29731", SCRIPT, "chimera")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("ENGINE=ScheduledPipelineEngine") == 2
+
+
+def test_without_the_launcher_deepspeed_is_untouched():
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", "29733", SCRIPT, "chimera"], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("ENGINE=PipelineEngine") == 2
