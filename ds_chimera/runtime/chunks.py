@@ -68,13 +68,38 @@ class Chunk(nn.Module):
             return x
         return run
 
-    def forward(self, x):
-        if not self.checkpoint_interval or not torch.is_grad_enabled():
-            return self._run(0, len(self.funcs))(x)
-        for start in range(0, len(self.funcs), self.checkpoint_interval):
-            stop = min(start + self.checkpoint_interval, len(self.funcs))
-            args = x if isinstance(x, tuple) else (x,)
-            x = self.checkpoint_func(self._run(start, stop), *args)
+    def _params(self, start: int, stop: int) -> list:
+        seen, out = set(), []
+        for func in self.funcs[start:stop]:
+            module = func.args[0] if isinstance(func, partial) else func
+            if isinstance(module, nn.Module):
+                for p in module.parameters():
+                    if p.requires_grad and id(p) not in seen:
+                        seen.add(id(p))
+                        out.append(p)
+        return out
+
+    def forward(self, x, capture: list | None = None):
+        """Run the layers. ``capture`` collects (block output, block params) for a split backward.
+
+        A block is one layer, or one checkpointed group of layers. The weight-grad pass
+        then differentiates each block from its own output to its own parameters, so it
+        never walks the input-grad chain again.
+        """
+        n = len(self.funcs)
+        checkpointing = bool(self.checkpoint_interval) and torch.is_grad_enabled()
+        step = self.checkpoint_interval if checkpointing else 1
+        for start in range(0, n, step):
+            stop = min(start + step, n)
+            if checkpointing:
+                args = x if isinstance(x, tuple) else (x,)
+                x = self.checkpoint_func(self._run(start, stop), *args)
+            else:
+                x = self._run(start, stop)(x)
+            if capture is not None:
+                params = self._params(start, stop)
+                if params:
+                    capture.append((x, params))
         return x
 
 

@@ -42,11 +42,8 @@ class ScheduledPipelineEngine(PipelineEngine):
         self.dp_size = self.grid.get_data_parallel_world_size()
         self.chunk_modules = {chunk.index: chunk for chunk in self.module.ds_chimera_chunks}
         self.tied_modules = self.module.ds_chimera_tied
-        self.chunk_params = {c: [p for p in chunk.parameters() if p.requires_grad]
-                             + [p for key in self._tied_keys_of(chunk) for p in self.tied_modules[key].parameters()
-                                if p.requires_grad]
-                             for c, chunk in self.chunk_modules.items()}
         self.stage_chunk = {chunk.stage: c for c, chunk in self.chunk_modules.items()}
+        self.split_chunks = {a.chunk for a in self.schedule.orders[self.pipe_rank] if a.kind == "I"}
         self._build_groups()
         self.p2p = P2P(self._global_rank_of, self.device, len(self.placement.chunks), plan.timeout_s,
                        self._nccl_p2p_groups())

@@ -52,7 +52,7 @@ class StepExecutor:
     def run(self, ops, batches: dict, train: bool, scale: float, trace: bool = False):
         """Execute ``ops``. Returns (sum of this rank's micro-batch losses, their count)."""
         ctx, placement = self.ctx, self.placement
-        inputs, outputs, input_grads, deferred, received = {}, {}, {}, {}, {}
+        inputs, outputs, input_grads, deferred, received, blocks = {}, {}, {}, {}, {}, {}
         loss_sum, loss_count = None, 0
         t0 = time.perf_counter()
         self.records = []
@@ -73,8 +73,11 @@ class StepExecutor:
                             src = received.pop(("act", prev, c, mb))
                         inputs[(c, mb)] = _as_leaf(src, train)
                         x = _pack(inputs[(c, mb)])
+                    capture = [] if train and c in ctx.split_chunks else None
                     with torch.set_grad_enabled(train):
-                        out = chunk(x)
+                        out = chunk(x, capture)
+                    if capture is not None:
+                        blocks[(c, mb)] = capture
                     if placement.next_chunk(c) is None:
                         out = ctx.compute_loss(out, batches[mb][1])
                         value = out.detach().float()
@@ -100,17 +103,13 @@ class StepExecutor:
                     if kind == BACKWARD:
                         torch.autograd.backward(tensors, grad_tensors=grads)
                     else:
-                        if leaves:
-                            torch.autograd.backward(tensors, grad_tensors=grads, inputs=leaves, retain_graph=True)
-                        deferred[(c, mb)] = (tensors, grads)
+                        deferred[(c, mb)] = self._input_grad(tensors, grads, leaves, blocks.pop((c, mb)))
                     if placement.prev_chunk(c) is not None:
                         input_grads[(c, mb)] = [t.grad if t.grad is not None else torch.zeros_like(t)
                                                 for t in leaves]
                 elif kind == WEIGHT_GRAD:
-                    tensors, grads = deferred.pop((c, mb))
-                    params = ctx.chunk_params[c]
-                    if params:
-                        torch.autograd.backward(tensors, grad_tensors=grads, inputs=params)
+                    for outs, out_grads, params in deferred.pop((c, mb)):
+                        torch.autograd.backward(outs, grad_tensors=out_grads, inputs=params)
                 else:
                     raise RuntimeError(f"the synchronous runtime cannot execute action {op}")
                 if trace:
@@ -131,8 +130,32 @@ class StepExecutor:
             else:
                 raise RuntimeError(f"unknown op {op!r}")
         if train:
-            leftovers = {k for d in (outputs, deferred) for k in d}
+            leftovers = {k for d in (outputs, deferred, blocks) for k in d}
             if leftovers:
                 raise RuntimeError(f"internal error: work left after the step: {sorted(leftovers)[:5]}")
         ctx.p2p.flush()
         return loss_sum, loss_count
+
+    @staticmethod
+    def _input_grad(tensors, grads, leaves, blocks):
+        """I: gradients for the chunk's inputs and for every block output, in one pass.
+
+        Returns the deferred W work: (block outputs, their gradients, block params) per
+        block, so W differentiates each block locally instead of re-running this pass.
+        """
+        outs = [[t for t in _as_tuple(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+                for out, _ in blocks]
+        flat = [t for group in outs for t in group]
+        wanted = leaves + flat
+        got = torch.autograd.grad(tensors, wanted, grad_outputs=grads, retain_graph=True,
+                                  allow_unused=True) if wanted else []
+        for leaf, g in zip(leaves, got[:len(leaves)]):
+            leaf.grad = g if g is not None else torch.zeros_like(leaf)
+        block_grads = iter(got[len(leaves):])
+        work = []
+        for group, (_, params) in zip(outs, blocks):
+            gs = [next(block_grads) for _ in group]
+            keep = [(t, g) for t, g in zip(group, gs) if g is not None]
+            if keep:
+                work.append(([t for t, _ in keep], [g for _, g in keep], params))
+        return work
