@@ -4,7 +4,7 @@ TORCH_VERSION ?= 2.13.0
 DEEPSPEED_VERSION ?= 0.19.8
 STAMP := .make-installed
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo demo-sim bench clean
 
 $(STAMP): setup.py Makefile
 	$(PYTHON) -m pip install --quiet "torch==$(TORCH_VERSION)"
@@ -17,7 +17,14 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PYTHON) -m pytest -q tests
 
+# The main job: 4-rank CPU training of a small LM with Chimera, then the Gantt chart of that run.
 demo: $(STAMP)
+	rm -rf demo_out
+	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(PYTHON) -m ds_chimera.cli launch --num_gpus 4 \
+		examples/train_pipeline.py --config configs/chimera.json --steps 60 --out demo_out
+
+# Simulated comparison of every schedule (no training), charts in demo_out/sim/.
+demo-sim: $(STAMP)
 	$(PYTHON) examples/simulate_demo.py
 
 bench: $(STAMP)

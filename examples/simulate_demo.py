@@ -1,6 +1,6 @@
 """Simulator demo: compare every schedule on one pipeline and draw their Gantt charts.
 
-Run with ``make demo`` (the runtime issue replaces this with a real training run).
+Run with ``make demo-sim``.
 """
 import os
 import sys
@@ -10,7 +10,7 @@ from ds_chimera.sim import Costs, simulate
 from ds_chimera.sim.plot import plot_gantt
 
 
-def main(out_dir: str = "demo_out", stages: int = 4, micro_batches: int = 8) -> int:
+def main(out_dir: str = "demo_out/sim", stages: int = 4, micro_batches: int = 8) -> int:
     os.makedirs(out_dir, exist_ok=True)
     costs = Costs(fwd=1.0, bwd=2.0, wgrad=1.0)
     print(f"D={stages} ranks, N={micro_batches} micro-batches, F=1 B=2 (I=1 W=1)")

@@ -46,7 +46,7 @@ class ScheduledPipelineEngine(PipelineEngine):
         self.split_chunks = {a.chunk for a in self.schedule.orders[self.pipe_rank] if a.kind == "I"}
         self._build_groups()
         self.p2p = P2P(self._global_rank_of, self.device, len(self.placement.chunks), plan.timeout_s,
-                       self._nccl_p2p_groups())
+                       self._nccl_p2p_groups(), dynamic_shapes=bool(getattr(self.module, "dynamic_shape", False)))
         self.executor = StepExecutor(self)
         # DeepSpeed's fp32 clipping only sees part of the model; ours clips on the true global norm.
         self.true_clip = plan.clip

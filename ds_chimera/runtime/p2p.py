@@ -60,7 +60,8 @@ def decode_header(header: torch.Tensor) -> list:
 class P2P:
     """Sends and receives :class:`~ds_chimera.schedules.actions.Message` payloads."""
 
-    def __init__(self, to_global_rank, device, num_chunks: int, timeout_s: float, groups=None):
+    def __init__(self, to_global_rank, device, num_chunks: int, timeout_s: float, groups=None,
+                 dynamic_shapes: bool = False):
         self.to_global = to_global_rank      # pipeline rank -> global rank
         self.device = device
         self.num_chunks = num_chunks
@@ -69,6 +70,11 @@ class P2P:
         self.groups = groups or {}            # (src_chunk, dst_chunk, kind) -> group (NCCL only)
         self.pending_sends: list = []
         self.header_on_device = dist.get_backend() != "gloo"
+        # Static shapes (DeepSpeed's default): an edge's header goes once, with its first message;
+        # both sides remember it. dynamic_shapes=True sends one with every message.
+        self.dynamic_shapes = dynamic_shapes
+        self.sent_meta: dict = {}
+        self.recv_meta: dict = {}
 
     def _tag(self, msg, part: int) -> int:
         kind_bit = 0 if msg.kind == "act" else 1
@@ -77,13 +83,25 @@ class P2P:
     def _group(self, msg):
         return self.groups.get((msg.src, msg.dst, msg.kind))
 
+    @staticmethod
+    def _edge(msg):
+        return (msg.kind, msg.src, msg.dst)
+
     def send(self, msg, dst_rank: int, tensors) -> None:
         tensors = [t.detach().contiguous() for t in _as_tuple(tensors)]
-        header = encode_header(tensors)
-        if self.header_on_device:
-            header = header.to(self.device)
         peer, group = self.to_global(dst_rank), self._group(msg)
-        works = [dist.isend(header, peer, group=group, tag=self._tag(msg, 0))]
+        works, header = [], None
+        meta = [(t.dtype, t.requires_grad, list(t.shape)) for t in tensors]
+        if self.dynamic_shapes or self._edge(msg) not in self.sent_meta:
+            header = encode_header(tensors)
+            if self.header_on_device:
+                header = header.to(self.device)
+            works.append(dist.isend(header, peer, group=group, tag=self._tag(msg, 0)))
+            self.sent_meta[self._edge(msg)] = meta
+        elif self.sent_meta[self._edge(msg)] != meta:
+            raise RuntimeError(f"pipeline tensor shapes changed on {msg.kind} {msg.src}->{msg.dst} "
+                               f"({self.sent_meta[self._edge(msg)]} -> {meta}); build the PipelineModule "
+                               f"with dynamic_shape=True")
         for i, t in enumerate(tensors):
             works.append(dist.isend(t, peer, group=group, tag=self._tag(msg, i + 1)))
         self.pending_sends.append((works, header, tensors))
@@ -100,13 +118,16 @@ class P2P:
 
     def recv(self, msg, src_rank: int, what: str):
         peer, group = self.to_global(src_rank), self._group(msg)
-        header = torch.zeros(HEADER, dtype=torch.int64, device=self.device if self.header_on_device else "cpu")
-        self._wait(dist.irecv(header, peer, group=group, tag=self._tag(msg, 0)), what)
-        out = []
-        for i, (dtype, requires_grad, shape) in enumerate(decode_header(header.cpu())):
-            buf = torch.empty(shape, dtype=dtype, device=self.device)
-            self._wait(dist.irecv(buf, peer, group=group, tag=self._tag(msg, i + 1)), what)
-            out.append(buf)
+        meta = None if self.dynamic_shapes else self.recv_meta.get(self._edge(msg))
+        if meta is None:
+            header = torch.zeros(HEADER, dtype=torch.int64, device=self.device if self.header_on_device else "cpu")
+            self._wait(dist.irecv(header, peer, group=group, tag=self._tag(msg, 0)), what)
+            meta = decode_header(header.cpu())
+            self.recv_meta[self._edge(msg)] = meta
+        out = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in meta]
+        works = [dist.irecv(buf, peer, group=group, tag=self._tag(msg, i + 1)) for i, buf in enumerate(out)]
+        for work in works:
+            self._wait(work, what)
         return out
 
     def flush(self) -> None:

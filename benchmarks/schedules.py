@@ -1,0 +1,271 @@
+"""Schedules on the timed model, side by side with DeepSpeed's and torch's own.
+
+    python benchmarks/schedules.py            # N in {4, 8, 16}
+    python benchmarks/schedules.py --quick    # N = 8, fewer repeats
+
+Four CPU ranks (gloo). Every rank's share of the model costs F = I = W = 20 ms per
+micro-batch (8 timed layers, 2 per rank; 1 per chunk for 2-chunk schedules). For each
+schedule it prints the median step time over ideal = N * (F + I + W), and the simulator's
+prediction for the same program with the same costs. In the same invocation it runs
+DeepSpeed's stock TrainSchedule (1F1B) and DualPipeV engines, and torch.distributed.pipelining's
+GPipe, 1F1B, LoopedBFS, Interleaved1F1B, ZBV and DualPipeV schedules on the same layers.
+The last line is a JSON object with every row.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+COST_S = 0.020
+LAYERS = 8
+MICRO = 1
+
+OURS = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"chunks": 2}), ("breadth-first", {"chunks": 2}),
+        ("chimera", {"order": "concat"}), ("chimera", {"order": "merged"}), ("chimera", {"order": "forward-doubling"}),
+        ("zb-h1", {}), ("zbv", {}), ("dualpipev", {})]
+PEERS = [("deepspeed", "TrainSchedule (1F1B)"), ("deepspeed", "DualPipeV"),
+         ("torch", "GPipe"), ("torch", "1F1B"), ("torch", "LoopedBFS"), ("torch", "Interleaved1F1B"),
+         ("torch", "ZBVZeroBubble"), ("torch", "DualPipeV")]
+
+
+def label(name, options):
+    return name + ("" if not options else " " + ",".join(f"{k}={v}" for k, v in options.items()))
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+
+    import deepspeed
+    import ds_chimera  # noqa: F401
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+
+    sys.path.insert(0, HERE)
+    from timed_model import WIDTH, TimedLayer
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layer_s = COST_S * world / LAYERS
+    specs = [LayerSpec(TimedLayer, layer_s, layer_s, layer_s) for _ in range(LAYERS)]
+    rows = []
+    latency = p2p_latency(dist, torch, rank)
+    calibrated = calibrate(torch, TimedLayer, layer_s, LAYERS // world, WIDTH)
+    if rank == 0:
+        print(f"  measured one-way p2p latency (gloo, loopback, 2 cores): {latency * 1e3:.2f} ms", flush=True)
+        print(f"  measured timed-layer costs per rank share: F {calibrated[0] * 1e3:.2f} ms, I {calibrated[1] * 1e3:.2f} "
+              f"ms, W {calibrated[2] * 1e3:.2f} ms (nominal {COST_S * 1e3:.0f} each)", flush=True)
+
+    def data(n):
+        return [(torch.randn(MICRO, WIDTH), torch.randn(MICRO, WIDTH)) for _ in range(n)]
+
+    def timed(step, repeats):
+        step()                                     # warm-up: shapes, groups, allocator
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            dist.barrier()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def ds_config(n, schedule=None):
+        cfg = {"train_batch_size": n * MICRO, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10 ** 9,
+               "gradient_clipping": 0.0}
+        if schedule:
+            cfg["pipeline"] = {"schedule": schedule[0], **schedule[1]}
+        return cfg
+
+    def sgd(p):
+        return torch.optim.SGD(p, lr=1e-3)
+
+    for n in args.micro_batches:
+        ideal = n * 3 * COST_S
+        for name, options in OURS:
+            if name == "dualpipev" and n < 2 * world:
+                continue
+            if name == "interleaved" and n % world:
+                continue
+            net = PipelineModule(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+            engine, _, _, _ = deepspeed.initialize(model=net, config=ds_config(n, (name, options)), optimizer=sgd)
+            batch = data(n)
+            median = timed(lambda: engine.train_batch(iter(batch)), args.repeats)
+            from ds_chimera.sim import Costs, simulate
+            sim0 = simulate(engine.plan.program, Costs(fwd=COST_S, bwd=2 * COST_S, wgrad=COST_S)).makespan
+            f_s, i_s, w_s = calibrated
+            sim = simulate(engine.plan.program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=latency)).makespan
+            rows.append({"runtime": "ds_chimera", "schedule": label(name, options), "N": n, "step_s": median,
+                         "vs_ideal": median / ideal, "sim_vs_ideal": sim / ideal, "sim_nocomm_vs_ideal": sim0 / ideal,
+                         "measured_vs_sim": median / sim, "latency_s": latency})
+            if rank == 0:
+                print(f"  ds_chimera {label(name, options):<28} N={n:<3} {median / ideal:6.3f} x ideal"
+                      f"  (simulated: nominal {sim0 / ideal:5.3f}, calibrated {sim / ideal:5.3f}; "
+                      f"measured/calibrated {median / sim:5.3f})", flush=True)
+        for runtime, name in PEERS:
+            if "DualPipeV" in name and n < 2 * world:
+                continue
+            if name == "Interleaved1F1B" and n % world:
+                continue
+            try:
+                if runtime == "deepspeed":
+                    cls = DualPipeVModule if name == "DualPipeV" else PipelineModule
+                    net = cls(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+                    engine, _, _, _ = deepspeed.initialize(model=net, config=ds_config(n), optimizer=sgd)
+                    batch = data(n)
+                    median = timed(lambda: engine.train_batch(iter(batch)), args.repeats)
+                else:
+                    step = torch_pipelining_step(name, n, specs, world, rank, data)
+                    median = timed(step, args.repeats)
+            except Exception as exc:     # report, never hide: the row says why it is missing
+                rows.append({"runtime": runtime, "schedule": name, "N": n, "error": repr(exc)[:200]})
+                if rank == 0:
+                    print(f"  {runtime:<10} {name:<28} N={n:<3} failed: {exc!r}"[:240], flush=True)
+                continue
+            rows.append({"runtime": runtime, "schedule": name, "N": n, "step_s": median, "vs_ideal": median / ideal})
+            if rank == 0:
+                print(f"  {runtime:<10} {name:<28} N={n:<3} {median / ideal:6.3f} x ideal", flush=True)
+    if rank == 0:
+        with open(args.out, "w") as fh:
+            json.dump(rows, fh)
+
+
+def calibrate(torch, layer_cls, layer_s, layers_per_rank, width, repeats=15):
+    """Measured F, I and W of one rank's share of timed layers (sleep overshoot, autograd cost).
+
+    One layer is timed alone, single process, and scaled by the layers per rank. The
+    simulator is fed these, so measured/simulated isolates the runtime's own overhead.
+    """
+    layer = layer_cls(layer_s, layer_s, layer_s)
+    f_t, i_t, w_t = [], [], []
+    for _ in range(repeats):
+        x = torch.randn(1, width, requires_grad=True)
+        start = time.perf_counter()
+        y = layer(x)
+        mid = time.perf_counter()
+        torch.autograd.grad(y, [x], grad_outputs=torch.ones_like(y), retain_graph=True)
+        end = time.perf_counter()
+        torch.autograd.grad(y, [layer.weight], grad_outputs=torch.ones_like(y))
+        f_t.append(mid - start)
+        i_t.append(end - mid)
+        w_t.append(time.perf_counter() - end)
+    values = torch.tensor([statistics.median(v) * layers_per_rank for v in (f_t, i_t, w_t)], dtype=torch.float64)
+    torch.distributed.broadcast(values, 0)
+    return tuple(float(v) for v in values)
+
+
+def p2p_latency(dist, torch, rank, rounds=200):
+    """Median one-way latency of a small tensor between ranks 0 and 1 (half a round trip)."""
+    buf = torch.zeros(16)
+    times = []
+    dist.barrier()
+    for _ in range(rounds):
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        times.append((time.perf_counter() - start) / 2)
+    value = torch.tensor([statistics.median(times) if rank == 0 else 0.0])
+    dist.broadcast(value, 0)
+    return float(value)
+
+
+def torch_pipelining_step(name, n, specs, world, rank, data):
+    """One training step of torch.distributed.pipelining's schedule ``name`` on the same layers."""
+    import torch
+    from torch import nn
+    from torch.distributed import pipelining as pp
+
+    looped = name in ("LoopedBFS", "Interleaved1F1B")
+    vshape = name in ("ZBVZeroBubble", "DualPipeV")
+    num_stages = 2 * world if (looped or vshape) else world
+    per_stage = LAYERS // num_stages
+    if looped:
+        mine = [rank, rank + world]
+    elif vshape:
+        mine = [rank, 2 * world - 1 - rank]
+    else:
+        mine = [rank]
+    stages, params = [], []
+    for s in mine:
+        torch.manual_seed(s)
+        module = nn.Sequential(*[specs[i].build() for i in range(s * per_stage, (s + 1) * per_stage)])
+        params += list(module.parameters())
+        stages.append(pp.PipelineStage(module, s, num_stages, torch.device("cpu")))
+    loss_fn = nn.MSELoss()
+    cls = {"GPipe": pp.ScheduleGPipe, "1F1B": pp.Schedule1F1B, "LoopedBFS": pp.ScheduleLoopedBFS,
+           "Interleaved1F1B": pp.ScheduleInterleaved1F1B, "ZBVZeroBubble": pp.ScheduleZBVZeroBubble,
+           "DualPipeV": pp.ScheduleDualPipeV}[name]
+    schedule = cls(stages[0] if len(stages) == 1 else stages, n_microbatches=n, loss_fn=loss_fn)
+    opt = torch.optim.SGD(params, lr=1e-3)
+    batch = data(n)
+    x = torch.cat([b[0] for b in batch])
+    y = torch.cat([b[1] for b in batch])
+    first = any(s == 0 for s in mine)
+    last = any(s == num_stages - 1 for s in mine)
+
+    def step():
+        opt.zero_grad()
+        args = (x,) if first else ()
+        kwargs = {"target": y, "losses": []} if last else {}
+        schedule.step(*args, **kwargs)
+        opt.step()
+    return step
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--micro-batches", type=int, nargs="+")
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--out", default="benchmarks/schedules_results.json")
+    args = parser.parse_args()
+    args.micro_batches = args.micro_batches or ([8] if args.quick else [4, 8, 16])
+    args.repeats = args.repeats or (3 if args.quick else 5)
+    if args.worker:
+        return worker(args)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", __file__, "--worker",
+           "--out", args.out, "--repeats", str(args.repeats), "--micro-batches", *map(str, args.micro_batches)]
+    print(f"4 ranks, F = I = W = {COST_S * 1e3:.0f} ms per rank and micro-batch; ratios are median step / ideal",
+          flush=True)
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("  ") or "Error" in line or "error" in line:
+            print(line, flush=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-5000:])
+        return proc.returncode
+    rows = json.load(open(args.out))
+    summarise(rows)
+    print(json.dumps(rows))
+    return 0
+
+
+def summarise(rows):
+    ok = [r for r in rows if "vs_ideal" in r]
+    for n in sorted({r["N"] for r in ok}):
+        best = min((r for r in ok if r["N"] == n and r["runtime"] == "ds_chimera"), key=lambda r: r["vs_ideal"])
+        stock = [r for r in ok if r["N"] == n and r["schedule"].startswith("TrainSchedule")]
+        line = f"N={n}: best ds_chimera {best['schedule']} {best['vs_ideal']:.3f} x ideal"
+        if stock:
+            line += f"; DeepSpeed stock 1F1B {stock[0]['vs_ideal']:.3f} x ideal"
+            chim = [r for r in ok if r["N"] == n and r["schedule"].startswith("chimera")]
+            if chim:
+                fastest = min(chim, key=lambda r: r["step_s"])
+                line += f"; {fastest['schedule']} throughput / stock 1F1B = {stock[0]['step_s'] / fastest['step_s']:.2f}"
+        print(line)
+    worst = max((r["measured_vs_sim"] for r in ok if "measured_vs_sim" in r), default=float("nan"))
+    print(f"worst measured/simulated over ds_chimera rows: {worst:.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main() or 0)
