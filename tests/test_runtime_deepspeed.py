@@ -19,7 +19,8 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved", "breadth-first", "chimera", "chimer
 EQUIV = [f"equiv-{topo}-{s}" for topo in ("4x1", "2x2") for s in SCHEDULES]
 OTHER = ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv", "actckpt-4x1-chimera", "actckpt-4x1-zb-h1",
          "actckpt-4x1-interleaved", "ckpt-resume-chimera", "ckpt-resume-2x2-zbv", "ckpt-cross-chimera-to-1f1b",
-         "ckpt-cross-chimera-to-stock", "ckpt-cross-zbv-to-interleaved", "stock-clipping", "bad-unknown",
+         "ckpt-cross-chimera-to-stock", "ckpt-cross-zbv-to-interleaved", "stock-clipping", "bf16-4x1-chimera",
+         "bf16-2x2-zbv", "bf16-4x1-stock", "bf16-4x1-1f1b-noclip", "bad-unknown",
          "bad-pipelines", "bad-interleaved-n", "bad-option"]
 
 
@@ -96,3 +97,13 @@ def test_global_norm_clipping_where_deepspeed_stock_is_wrong(results):
 ])
 def test_bad_config_fails_at_initialize(results, scenario, message):
     assert message in (results[scenario]["error"] or "")
+
+
+@pytest.mark.parametrize("scenario", ["bf16-4x1-chimera", "bf16-2x2-zbv", "bf16-4x1-1f1b-noclip"])
+def test_bf16_with_deepspeeds_bf16_optimizer(results, scenario):
+    """bf16 weights, fp32 master weights and grads: as close to fp32 training as DeepSpeed's own bf16."""
+    r, stock = results[scenario], results["bf16-4x1-stock"]
+    assert r["max_param_diff"] <= 2 * stock["max_param_diff"] + 1e-4
+    assert r["max_param_diff"] < 5e-3
+    assert all(abs(a - b) <= 3e-3 * abs(b) for a, b in zip(r["losses"], r["ref_losses"]))
+    assert r["replica_spread"] == 0.0

@@ -51,6 +51,14 @@ class ScheduledPipelineEngine(PipelineEngine):
         # DeepSpeed's fp32 clipping only sees part of the model; ours clips on the true global norm.
         self.true_clip = plan.clip
         self._config.gradient_clipping = 0.0
+        self._hp_grads = {}
+        if self.using_bf16_optimizer:
+            # bf16: gradients accumulate in the optimizer's fp32 buffers (immediate_grad_update),
+            # and that is what we all-reduce and clip; its own (partial-norm) clipping is off.
+            self.optimizer.clip_grad = 0.0
+            for i, group in enumerate(self.optimizer.bf16_groups):
+                for j, lp in enumerate(group):
+                    self._hp_grads[id(lp)] = self.optimizer.fp32_groups_gradients[i][j]
         self.pending_syncs = []
         self.step_records = []
         if self.global_rank == 0:
@@ -160,10 +168,15 @@ class ScheduledPipelineEngine(PipelineEngine):
         params = [p for p in chunk.parameters() if p.requires_grad]
         if group is None or not params:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = _flatten_dense_tensors(grads)
+        flat = _flatten_dense_tensors(self._grads(params))
         work = dist.all_reduce(flat, group=group, async_op=True)
         self.pending_syncs.append((work, flat, params, f"stage {stage}"))
+
+    def _grads(self, params) -> list:
+        """The gradient each parameter's optimizer reads: fp32 master grads under bf16."""
+        if self._hp_grads:
+            return [self._hp_grads[id(p)] for p in params]
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
 
     def _finish_grad_syncs(self) -> None:
         for key in sorted(self.tied_groups):
@@ -171,16 +184,17 @@ class ScheduledPipelineEngine(PipelineEngine):
             params = [p for p in self.tied_modules[key].parameters() if p.requires_grad]
             if group is None or not params:
                 continue
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = _flatten_dense_tensors(grads)
+            flat = _flatten_dense_tensors(self._grads(params))
             self.pending_syncs.append((dist.all_reduce(flat, group=group, async_op=True), flat, params,
                                        f"tied weights {key!r}"))
         for work, flat, params, what in self.pending_syncs:
             self.p2p._wait(work, f"the gradient all-reduce of {what}")
             if self.dp_size > 1:
                 flat.div_(self.dp_size)
-            for p, synced in zip(params, _unflatten_dense_tensors(flat, params)):
-                if p.grad is None:
+            for p, synced in zip(params, _unflatten_dense_tensors(flat, self._grads(params))):
+                if self._hp_grads:
+                    self._hp_grads[id(p)].copy_(synced)
+                elif p.grad is None:
                     p.grad = synced.clone()
                 else:
                     p.grad.copy_(synced)
@@ -199,9 +213,10 @@ class ScheduledPipelineEngine(PipelineEngine):
 
     def global_grad_norm(self) -> float:
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self._owned_params():
-            if p.grad is not None:
-                squares += p.grad.detach().double().pow(2).sum()
+        owned = self._owned_params()
+        for g in (self._grads(owned) if self._hp_grads else [p.grad for p in owned]):
+            if g is not None:
+                squares += g.detach().double().pow(2).sum()
         dist.all_reduce(squares, group=self.grid.get_pipe_parallel_group())
         return float(squares.sqrt())
 
@@ -212,6 +227,10 @@ class ScheduledPipelineEngine(PipelineEngine):
         self._global_grad_norm = norm
         coef = self.true_clip / (norm + 1e-6)
         if coef < 1.0:
+            if self._hp_grads:
+                for g in self._hp_grads.values():
+                    g.mul_(coef)
+                return
             for p in self.module.parameters():
                 if p.grad is not None:
                     p.grad.mul_(coef)

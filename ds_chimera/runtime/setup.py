@@ -34,6 +34,11 @@ def prepare_module(module, config: dict, model_parameters):
     if zero >= 2:
         raise ValueError(f"ZeRO stage {zero} does not compose with pipeline schedules; use stage 0 or 1")
     plan = make_plan(config, num_stages, dp, len(module._layer_specs), parts_fn)
+    bf16 = config.get("bf16") or config.get("bfloat16") or {}
+    if bf16.get("enabled"):
+        # Backward order is the schedule's, not 1F1B's: each parameter's gradient must reach the
+        # fp32 accumulator as it is produced, which is DeepSpeed's immediate_grad_update mode.
+        bf16["immediate_grad_update"] = True
     device = get_accelerator().device_name(module.local_rank)
     checkpoint_func = _checkpoint_function(module, plan)
     chunks, tied = build_chunks(module, plan.placement, grid.get_stage_id(), plan.parts, device,

@@ -84,12 +84,17 @@ def replica_spread(engine):
     return worst, copies
 
 
-def train_and_compare(schedule, stages, dp, n, steps=3, tied=False, clip=0.5, aci=0, **options):
+def train_and_compare(schedule, stages, dp, n, steps=3, tied=False, clip=0.5, aci=0, bf16=False, **options):
     specs = mlp_specs(16, tied=tied)
-    engine = make_engine(stages, config(schedule, n, dp, clip, **options), specs, aci)
+    cfg = config(schedule, n, dp, clip, **options)
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    engine = make_engine(stages, cfg, specs, aci)
     global_batches = make_global_batches(n * dp)
+    cast = (lambda b: [(x.bfloat16(), y.bfloat16()) for x, y in b]) if bf16 else (lambda b: b)
     CountingTanh.calls = 0
-    losses = [engine.train_batch(iter(my_batches(engine, global_batches, s, n))).item() for s in range(steps)]
+    losses = [engine.train_batch(iter(cast(my_batches(engine, global_batches, s, n)))).item()
+              for s in range(steps)]
     calls = torch.tensor([CountingTanh.calls])
     tdist.all_reduce(calls)
     ref_layers = build_reference(specs)
@@ -100,7 +105,7 @@ def train_and_compare(schedule, stages, dp, n, steps=3, tied=False, clip=0.5, ac
                   1 for spec in specs if getattr(spec, "typename", None) is CountingTanh))}
     result["max_loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
     result["replica_spread"], result["copies"] = replica_spread(engine)
-    eval_loss = engine.eval_batch(iter(my_batches(engine, global_batches, steps, n))).item()
+    eval_loss = engine.eval_batch(iter(cast(my_batches(engine, global_batches, steps, n)))).item()
     ref_eval = sum(torch.nn.functional.mse_loss(_forward(ref_layers, x), y).item()
                    for x, y in global_batches(steps)) / (n * dp)
     result["eval_diff"] = abs(eval_loss - ref_eval)
@@ -220,6 +225,10 @@ SCENARIOS["ckpt-cross-chimera-to-1f1b"] = lambda: checkpoint_resume("chimera", 4
 SCENARIOS["ckpt-cross-chimera-to-stock"] = lambda: checkpoint_resume("chimera", 4, 1, 8, load_schedule="stock")
 SCENARIOS["ckpt-cross-zbv-to-interleaved"] = lambda: checkpoint_resume("zbv", 4, 1, 8, load_schedule="interleaved")
 SCENARIOS["stock-clipping"] = stock_clipping
+SCENARIOS["bf16-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8, bf16=True)
+SCENARIOS["bf16-2x2-zbv"] = lambda: train_and_compare("zbv", 2, 2, 4, bf16=True)
+SCENARIOS["bf16-4x1-stock"] = lambda: train_and_compare(None, 4, 1, 8, bf16=True, clip=0.0)
+SCENARIOS["bf16-4x1-1f1b-noclip"] = lambda: train_and_compare("1f1b", 4, 1, 8, bf16=True, clip=0.0)
 for kind in ("unknown", "pipelines", "interleaved-n", "option"):
     SCENARIOS[f"bad-{kind}"] = (lambda kind=kind: bad_config(kind))
 
