@@ -239,7 +239,7 @@ def main():
           flush=True)
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout.splitlines():
-        if line.startswith("  ") or "Error" in line or "error" in line:
+        if line.startswith(("  ds_chimera", "  deepspeed", "  torch", "  measured")) or "Error" in line:
             print(line, flush=True)
     if proc.returncode != 0:
         print(proc.stdout[-5000:])
