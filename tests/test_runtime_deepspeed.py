@@ -20,7 +20,8 @@ EQUIV = [f"equiv-{topo}-{s}" for topo in ("4x1", "2x2") for s in SCHEDULES]
 OTHER = ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv", "actckpt-4x1-chimera", "actckpt-4x1-zb-h1",
          "actckpt-4x1-interleaved", "ckpt-resume-chimera", "ckpt-resume-2x2-zbv", "ckpt-cross-chimera-to-1f1b",
          "ckpt-cross-chimera-to-stock", "ckpt-cross-zbv-to-interleaved", "stock-clipping", "bf16-4x1-chimera",
-         "bf16-2x2-zbv", "bf16-4x1-stock", "bf16-4x1-1f1b-noclip", "bad-unknown",
+         "bf16-2x2-zbv", "bf16-4x1-stock", "bf16-4x1-1f1b-noclip", "zero1-2x2-breadth-first", "zero1-2x2-zbv",
+         "zero1-2x2-zbv-tied", "bad-zero1-chimera", "bad-zero1-tied", "bad-zero2", "bad-unknown",
          "bad-pipelines", "bad-interleaved-n", "bad-option"]
 
 
@@ -40,7 +41,8 @@ def results(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("scenario", EQUIV + ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv"])
+@pytest.mark.parametrize("scenario", EQUIV + ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv",
+                                      "zero1-2x2-breadth-first", "zero1-2x2-zbv", "zero1-2x2-zbv-tied"])
 def test_schedule_equals_single_process_training(results, scenario):
     r = results[scenario]
     assert max(r["ref_norms"]) > r["clip"], "clipping must be active for this test to mean anything"
@@ -94,6 +96,9 @@ def test_global_norm_clipping_where_deepspeed_stock_is_wrong(results):
     ("bad-pipelines", "chimera: pipelines must divide stages/2 = 2 (allowed: [1, 2]), got 3"),
     ("bad-interleaved-n", "interleaved needs micro_batches to be a multiple of stages (4), got 6"),
     ("bad-option", "\"pipeline\" option 'chunks' is not understood by schedule '1f1b'"),
+    ("bad-zero1-chimera", "ZeRO stage 1 with schedule 'chimera' is not supported: its stages are replicated"),
+    ("bad-zero1-tied", "ZeRO stage 1 with weights tied across pipeline ranks (proj) is not supported"),
+    ("bad-zero2", "ZeRO stage 2 does not compose with pipeline schedules; use stage 0 or 1"),
 ])
 def test_bad_config_fails_at_initialize(results, scenario, message):
     assert message in (results[scenario]["error"] or "")

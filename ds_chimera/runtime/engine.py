@@ -40,6 +40,9 @@ class ScheduledPipelineEngine(PipelineEngine):
             raise ValueError("ds_chimera schedules do not support tensor (slice) parallelism yet; "
                              f"got slice-parallel size {self.grid.get_slice_parallel_world_size()}")
         self.dp_size = self.grid.get_data_parallel_world_size()
+        # ZeRO-1 owns the data-parallel reduction (into optimizer-state partitions) and the
+        # clipping; our syncs then only cover replicas and tied weights inside one pipeline.
+        self.zero1 = self.zero_optimization_stage() == 1
         self.chunk_modules = {chunk.index: chunk for chunk in self.module.ds_chimera_chunks}
         self.tied_modules = self.module.ds_chimera_tied
         self.stage_chunk = {chunk.stage: c for c, chunk in self.chunk_modules.items()}
@@ -76,8 +79,9 @@ class ScheduledPipelineEngine(PipelineEngine):
         start, stop = self.plan.parts[chunk.stage], self.plan.parts[chunk.stage + 1]
         return sorted({specs[i].key for i in range(start, stop) if isinstance(specs[i], TiedLayerSpec)})
 
-    def _ranks_over_dp(self, pipe_ranks) -> list:
-        return sorted(self._global_rank_of(p, d) for p in pipe_ranks for d in range(self.dp_size))
+    def _ranks_over_dp(self, pipe_ranks, dp_id=None) -> list:
+        dps = [dp_id] if dp_id is not None else range(self.dp_size)
+        return sorted(self._global_rank_of(p, d) for p in pipe_ranks for d in dps)
 
     def _build_groups(self):
         """One all-reduce group per stage (its replicas x data parallel) and per tied key.
@@ -93,10 +97,13 @@ class ScheduledPipelineEngine(PipelineEngine):
                 cache[ranks] = dist.new_group(list(ranks)) if len(ranks) > 1 else None
             return cache[ranks]
 
+        my_dp = self.grid.get_data_parallel_id()
+        dp_slices = list(range(self.dp_size)) if self.zero1 else [None]
         for stage in range(placement.num_stages):
-            group = group_for(self._ranks_over_dp(placement.stage_group(stage)))
-            if stage in self.stage_chunk:
-                self.stage_groups[stage] = group
+            for d in dp_slices:
+                group = group_for(self._ranks_over_dp(placement.stage_group(stage), d))
+                if stage in self.stage_chunk and d in (None, my_dp):
+                    self.stage_groups[stage] = group
         holders = {}
         for chunk in placement.chunks:
             for i in range(self.plan.parts[chunk.stage], self.plan.parts[chunk.stage + 1]):
@@ -104,10 +111,11 @@ class ScheduledPipelineEngine(PipelineEngine):
                     holders.setdefault(specs[i].key, set()).add(chunk.rank)
         self.tied_owner = {}
         for key in sorted(holders):
-            group = group_for(self._ranks_over_dp(holders[key]))
             self.tied_owner[key] = min(holders[key])
-            if key in self.tied_modules:
-                self.tied_groups[key] = group
+            for d in dp_slices:
+                group = group_for(self._ranks_over_dp(holders[key], d))
+                if key in self.tied_modules and d in (None, my_dp):
+                    self.tied_groups[key] = group
 
     def _nccl_p2p_groups(self) -> dict:
         """NCCL matches point-to-point messages in issue order, not by tag: one group per edge."""
@@ -189,7 +197,7 @@ class ScheduledPipelineEngine(PipelineEngine):
                                        f"tied weights {key!r}"))
         for work, flat, params, what in self.pending_syncs:
             self.p2p._wait(work, f"the gradient all-reduce of {what}")
-            if self.dp_size > 1:
+            if self.dp_size > 1 and not self.zero1:
                 flat.div_(self.dp_size)
             for p, synced in zip(params, _unflatten_dense_tensors(flat, self._grads(params))):
                 if self._hp_grads:
@@ -258,7 +266,12 @@ class ScheduledPipelineEngine(PipelineEngine):
         loss_sum, _ = self.executor.run(self.plan.program.ops[self.pipe_rank], batches, train=True,
                                         scale=1.0 / self.micro_batches, trace=trace)
         self._finish_grad_syncs()
-        self._clip_gradients()
+        if self.zero1:
+            self._force_grad_boundary = True
+            self.allreduce_gradients()        # ZeRO-1: average into this rank's partition
+            self._force_grad_boundary = False
+        else:
+            self._clip_gradients()
         self._take_model_step(None)
         self.agg_train_loss = self._aggregate_loss(loss_sum, self.micro_batches)
         self.tput_timer.stop(global_step=True)

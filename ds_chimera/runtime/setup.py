@@ -34,6 +34,13 @@ def prepare_module(module, config: dict, model_parameters):
     if zero >= 2:
         raise ValueError(f"ZeRO stage {zero} does not compose with pipeline schedules; use stage 0 or 1")
     plan = make_plan(config, num_stages, dp, len(module._layer_specs), parts_fn)
+    replicated = [s for s in range(plan.placement.num_stages) if len(plan.placement.stage_group(s)) > 1]
+    if zero == 1 and replicated:
+        raise ValueError(f"ZeRO stage 1 with schedule {plan.schedule.name!r} is not supported: its stages are "
+                         f"replicated across pipeline ranks (stages {replicated[:4]}...), and ZeRO-1's gradient "
+                         f"norm would count them twice; use ZeRO stage 0 or a schedule without replicas")
+    if zero == 1:
+        _refuse_cross_rank_ties(module, plan)
     bf16 = config.get("bf16") or config.get("bfloat16") or {}
     if bf16.get("enabled"):
         # Backward order is the schedule's, not 1F1B's: each parameter's gradient must reach the
@@ -62,6 +69,22 @@ def prepare_module(module, config: dict, model_parameters):
                               for s in range(plan.placement.num_stages))
         print(f"[ds_chimera] schedule {plan.schedule!r}; {sim_parts}", flush=True)
     return _remap_parameters(module, model_parameters, old_params)
+
+
+def _refuse_cross_rank_ties(module, plan) -> None:
+    """ZeRO-1 computes its clipping norm per rank: a weight tied across ranks would count twice."""
+    from deepspeed.runtime.pipe.module import TiedLayerSpec
+    holders = {}
+    for chunk in plan.placement.chunks:
+        for idx in range(plan.parts[chunk.stage], plan.parts[chunk.stage + 1]):
+            spec = module._layer_specs[idx]
+            if isinstance(spec, TiedLayerSpec):
+                holders.setdefault(spec.key, set()).add(chunk.rank)
+    shared = sorted(key for key, ranks in holders.items() if len(ranks) > 1)
+    if shared:
+        raise ValueError(f"ZeRO stage 1 with weights tied across pipeline ranks ({', '.join(shared)}) is not "
+                         f"supported: ZeRO-1's gradient norm would count them on every rank that holds them; "
+                         f"use ZeRO stage 0, or a schedule that keeps the tied layers on one rank (zbv, dualpipev)")
 
 
 def _checkpoint_function(module, plan):

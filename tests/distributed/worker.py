@@ -84,11 +84,15 @@ def replica_spread(engine):
     return worst, copies
 
 
-def train_and_compare(schedule, stages, dp, n, steps=3, tied=False, clip=0.5, aci=0, bf16=False, **options):
+def train_and_compare(schedule, stages, dp, n, steps=3, tied=False, clip=0.5, aci=0, bf16=False, zero=0,
+                      **options):
     specs = mlp_specs(16, tied=tied)
     cfg = config(schedule, n, dp, clip, **options)
     if bf16:
         cfg["bf16"] = {"enabled": True}
+    if zero:
+        cfg["zero_optimization"] = {"stage": zero}
+        cfg["zero_allow_untested_optimizer"] = True      # torch SGD under ZeRO-1
     engine = make_engine(stages, cfg, specs, aci)
     global_batches = make_global_batches(n * dp)
     cast = (lambda b: [(x.bfloat16(), y.bfloat16()) for x, y in b]) if bf16 else (lambda b: b)
@@ -200,6 +204,18 @@ def bad_config(kind):
             make_engine(4, config("interleaved", 6, 1), specs)
         elif kind == "option":
             make_engine(4, config("1f1b", 8, 1, chunks=2), specs)
+        elif kind == "zero1-chimera":
+            cfg = config("chimera", 8, 1)
+            cfg["zero_optimization"] = {"stage": 1}
+            make_engine(4, cfg, specs)
+        elif kind == "zero1-tied":
+            cfg = config("1f1b", 8, 1)
+            cfg["zero_optimization"] = {"stage": 1}
+            make_engine(4, cfg, mlp_specs(16, tied=True))
+        elif kind == "zero2":
+            cfg = config("breadth-first", 8, 1)
+            cfg["zero_optimization"] = {"stage": 2}
+            make_engine(4, cfg, specs)
     except ValueError as exc:
         return {"error": str(exc)}
     return {"error": None}
@@ -225,11 +241,14 @@ SCENARIOS["ckpt-cross-chimera-to-1f1b"] = lambda: checkpoint_resume("chimera", 4
 SCENARIOS["ckpt-cross-chimera-to-stock"] = lambda: checkpoint_resume("chimera", 4, 1, 8, load_schedule="stock")
 SCENARIOS["ckpt-cross-zbv-to-interleaved"] = lambda: checkpoint_resume("zbv", 4, 1, 8, load_schedule="interleaved")
 SCENARIOS["stock-clipping"] = stock_clipping
+SCENARIOS["zero1-2x2-breadth-first"] = lambda: train_and_compare("breadth-first", 2, 2, 4, zero=1, chunks=2)
+SCENARIOS["zero1-2x2-zbv-tied"] = lambda: train_and_compare("zbv", 2, 2, 4, zero=1, tied=True)
+SCENARIOS["zero1-2x2-zbv"] = lambda: train_and_compare("zbv", 2, 2, 4, zero=1)
 SCENARIOS["bf16-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8, bf16=True)
 SCENARIOS["bf16-2x2-zbv"] = lambda: train_and_compare("zbv", 2, 2, 4, bf16=True)
 SCENARIOS["bf16-4x1-stock"] = lambda: train_and_compare(None, 4, 1, 8, bf16=True, clip=0.0)
 SCENARIOS["bf16-4x1-1f1b-noclip"] = lambda: train_and_compare("1f1b", 4, 1, 8, bf16=True, clip=0.0)
-for kind in ("unknown", "pipelines", "interleaved-n", "option"):
+for kind in ("unknown", "pipelines", "interleaved-n", "option", "zero1-chimera", "zero1-tied", "zero2"):
     SCENARIOS[f"bad-{kind}"] = (lambda kind=kind: bad_config(kind))
 
 
