@@ -55,13 +55,18 @@ def local_layers(engine):
     return {module._local_start + i: f for i, f in enumerate(module.forward_funcs)}
 
 
+def _comm_device():
+    """NCCL all-reduces CUDA tensors only; gloo takes CPU ones."""
+    return "cuda" if tdist.get_backend() == "nccl" else "cpu"
+
+
 def max_param_diff(engine, ref_layers):
     worst = 0.0
     for idx, obj in local_layers(engine).items():
         if isinstance(obj, torch.nn.Module):
             for p, q in zip(obj.parameters(), ref_layers[idx].parameters()):
-                worst = max(worst, (p.detach().float() - q.detach().float()).abs().max().item())
-    t = torch.tensor([worst])
+                worst = max(worst, (p.detach().float().cpu() - q.detach().float()).abs().max().item())
+    t = torch.tensor([worst], device=_comm_device())
     tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
     return t.item()
 
@@ -71,7 +76,7 @@ def replica_spread(engine):
     states = {}
     for idx, obj in local_layers(engine).items():
         if isinstance(obj, torch.nn.Module):
-            states[idx] = [p.detach().clone() for p in obj.parameters()]
+            states[idx] = [p.detach().float().cpu().clone() for p in obj.parameters()]
     gathered = [None] * tdist.get_world_size()
     tdist.all_gather_object(gathered, states)
     worst, copies = 0.0, 0
@@ -99,7 +104,7 @@ def train_and_compare(schedule, stages, dp, n, steps=3, tied=False, clip=0.5, ac
     CountingTanh.calls = 0
     losses = [engine.train_batch(iter(cast(my_batches(engine, global_batches, s, n)))).item()
               for s in range(steps)]
-    calls = torch.tensor([CountingTanh.calls])
+    calls = torch.tensor([CountingTanh.calls], device=_comm_device())
     tdist.all_reduce(calls)
     ref_layers = build_reference(specs)
     ref_losses, ref_norms = run_reference(ref_layers, global_batches, steps, LR, clip)
@@ -248,13 +253,18 @@ SCENARIOS["bf16-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8, bf
 SCENARIOS["bf16-2x2-zbv"] = lambda: train_and_compare("zbv", 2, 2, 4, bf16=True)
 SCENARIOS["bf16-4x1-stock"] = lambda: train_and_compare(None, 4, 1, 8, bf16=True, clip=0.0)
 SCENARIOS["bf16-4x1-1f1b-noclip"] = lambda: train_and_compare("1f1b", 4, 1, 8, bf16=True, clip=0.0)
+# single-GPU smoke (D = 1; NCCL): every chunk of the schedule on one rank, same-rank hand-offs
+for key, opts in {"1f1b": {}, "gpipe": {}, "interleaved": {"chunks": 2}, "breadth-first": {"chunks": 3},
+                  "zb-h1": {}, "zbv": {}}.items():
+    SCENARIOS[f"equiv-1x1-{key}"] = (lambda key=key, opts=opts: train_and_compare(key, 1, 1, 4, **opts))
+    SCENARIOS[f"bf16-1x1-{key}"] = (lambda key=key, opts=opts: train_and_compare(key, 1, 1, 4, bf16=True, **opts))
 for kind in ("unknown", "pipelines", "interleaved-n", "option", "zero1-chimera", "zero1-tied", "zero2"):
     SCENARIOS[f"bad-{kind}"] = (lambda kind=kind: bad_config(kind))
 
 
 def main():
     out_path, names = sys.argv[1], sys.argv[2].split(",")
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=os.environ.get("DS_CHIMERA_TEST_BACKEND", "gloo"))
     results = {}
     for name in names:
         try:
