@@ -1,0 +1,99 @@
+"""Plain PyTorch lightweight and dynamic convolution: the reference every kernel is tested against.
+
+Layout of the ops: x is (B, C, T); a LightConv kernel is (H, K) (already normalised and
+dropped out by the layer); a DynamicConv kernel is (B, H, K, T), one kernel per time step.
+Channel c uses head h(c) = c // (C // H). Output at time t reads x at t + k - padding_l for
+k = 0..K-1, zero outside [0, T): padding_l = K // 2 is the encoder's centred window, K - 1
+the decoder's causal one. Any K, any H dividing C, any padding_l in [0, K-1].
+
+Two pure-torch algorithms:
+
+* ``unfold``: gathers the K shifted copies of x (B, C, T, K) and contracts them; memory
+  O(B C T K). This is the definition written as code.
+* ``band``: builds the (T, T) banded matrix of each head's kernel and multiplies; memory
+  O(H T^2), fast for short sequences.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def check_shapes(x: torch.Tensor, weight: torch.Tensor, padding_l: int, dynamic: bool) -> tuple:
+    if x.dim() != 3:
+        raise ValueError(f"x must be (B, C, T), got shape {tuple(x.shape)}")
+    batch, channels, time = x.shape
+    if dynamic:
+        if weight.dim() != 4 or weight.shape[0] != batch or weight.shape[3] != time:
+            raise ValueError(f"dynamic weight must be (B={batch}, H, K, T={time}), got {tuple(weight.shape)}")
+        heads, kernel = weight.shape[1], weight.shape[2]
+    else:
+        if weight.dim() != 2:
+            raise ValueError(f"lightconv weight must be (H, K), got shape {tuple(weight.shape)}")
+        heads, kernel = weight.shape
+    if heads < 1 or channels % heads:
+        raise ValueError(f"the number of heads must divide the channels: H={heads}, C={channels}")
+    if not 0 <= padding_l < kernel:
+        raise ValueError(f"padding_l must be in [0, K-1] = [0, {kernel - 1}], got {padding_l}")
+    return batch, channels, time, heads, kernel
+
+
+def accum_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 accumulation for fp16/bf16/fp32, fp64 for fp64 (gradcheck)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _windows(x: torch.Tensor, kernel: int, padding_l: int) -> torch.Tensor:
+    """(B, C, T, K): window[..., t, k] = x[..., t + k - padding_l], zero outside."""
+    padded = F.pad(x, (padding_l, kernel - 1 - padding_l))
+    return padded.unfold(2, kernel, 1)
+
+
+def lightconv_unfold(x: torch.Tensor, weight: torch.Tensor, padding_l: int) -> torch.Tensor:
+    batch, channels, time, heads, kernel = check_shapes(x, weight, padding_l, dynamic=False)
+    w = weight.repeat_interleave(channels // heads, dim=0)            # (C, K)
+    acc = accum_dtype(x)
+    out = torch.einsum("bctk,ck->bct", _windows(x.to(acc), kernel, padding_l), w.to(acc))
+    return out.to(x.dtype)
+
+
+def dynamicconv_unfold(x: torch.Tensor, weight: torch.Tensor, padding_l: int) -> torch.Tensor:
+    batch, channels, time, heads, kernel = check_shapes(x, weight, padding_l, dynamic=True)
+    acc = accum_dtype(x)
+    win = _windows(x.to(acc), kernel, padding_l).reshape(batch, heads, channels // heads, time, kernel)
+    out = torch.einsum("bhgtk,bhkt->bhgt", win, weight.to(acc))
+    return out.reshape(batch, channels, time).to(x.dtype)
+
+
+def _band(weight: torch.Tensor, time: int, padding_l: int) -> torch.Tensor:
+    """(H, T, T) matrices M with (x @ M^T)[t] = sum_k w[k] x[t + k - padding_l]."""
+    heads, kernel = weight.shape
+    idx = torch.arange(time, device=weight.device)
+    offset = idx[None, :] - idx[:, None] + padding_l                   # k = s - t + P
+    valid = (offset >= 0) & (offset < kernel)
+    band = weight[:, offset.clamp(0, kernel - 1)]                      # (H, T, T)
+    return band * valid.to(weight.dtype)
+
+
+def lightconv_band(x: torch.Tensor, weight: torch.Tensor, padding_l: int) -> torch.Tensor:
+    batch, channels, time, heads, kernel = check_shapes(x, weight, padding_l, dynamic=False)
+    acc = accum_dtype(x)
+    band = _band(weight.to(acc), time, padding_l)                      # (H, T, T)
+    xh = x.to(acc).reshape(batch, heads, channels // heads, time)
+    out = torch.einsum("bhgs,hts->bhgt", xh, band)
+    return out.reshape(batch, channels, time).to(x.dtype)
+
+
+def dynamicconv_band(x: torch.Tensor, weight: torch.Tensor, padding_l: int) -> torch.Tensor:
+    batch, channels, time, heads, kernel = check_shapes(x, weight, padding_l, dynamic=True)
+    idx = torch.arange(time, device=x.device)
+    offset = idx[None, :] - idx[:, None] + padding_l                   # (T, T): k for (t, s)
+    valid = (offset >= 0) & (offset < kernel)
+    acc = accum_dtype(x)
+    w = weight.to(acc)                                                 # (B, H, K, T)
+    gathered = torch.gather(w.permute(0, 1, 3, 2), 3,                  # (B, H, T, K) -> pick k per (t, s)
+                            offset.clamp(0, kernel - 1).expand(batch, heads, time, time))
+    band = gathered * valid.to(w.dtype)                                # (B, H, T, T)
+    xh = x.to(acc).reshape(batch, heads, channels // heads, time)
+    out = torch.einsum("bhgs,bhts->bhgt", xh, band)
+    return out.reshape(batch, channels, time).to(x.dtype)
