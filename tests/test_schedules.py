@@ -160,3 +160,13 @@ def test_comm_cost_adds_latency_on_the_critical_path():
     # 1F1B also pays latency in its steady state, so it can only be slower still.
     base = simulate(build("1f1b", 4, 8).lower(), Costs(1, 2, 1, comm=0.0)).makespan
     assert simulate(build("1f1b", 4, 8).lower(), Costs(1, 2, 1, comm=0.5)).makespan > base + 3
+
+
+@pytest.mark.parametrize("d,n", [(2, 4), (3, 5), (4, 8), (8, 32)])
+def test_list_scheduler_makespan_is_the_simulators(d, n):
+    from ds_chimera.schedules.base import vshape_placement
+    from ds_chimera.schedules.lowering import lower
+    from ds_chimera.schedules.timing import list_schedule
+    placement = vshape_placement(d, n)
+    orders, span = list_schedule(placement, [float(d)] * d, with_makespan=True)
+    assert span == simulate(lower("zbv", placement, orders), SPLIT).makespan

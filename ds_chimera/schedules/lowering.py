@@ -126,19 +126,31 @@ def _lower_rank(placement: Placement, rank: int, order: list, synchronous: bool)
         ready.update(ready_at[-1])
         post_ready_syncs()
 
+    links = _links(placement)
+    append = ops.append
     for i, action in enumerate(order):
-        recvs = messages_needed(placement, action)
-        if action.kind == STEP:
+        kind, chunk, mb = action
+        prev, nxt = links[chunk]
+        # inlined messages_needed / messages_produced: this loop runs once per action
+        if kind == FORWARD:
+            recvs = () if prev is None else (Message("act", prev, chunk, mb),)
+            sends = () if nxt is None else (Message("act", chunk, nxt, mb),)
+        elif kind in BACKWARD_KINDS:
+            recvs = () if nxt is None else (Message("grad", nxt, chunk, mb),)
+            sends = () if prev is None else (Message("grad", chunk, prev, mb),)
+        else:
+            recvs = sends = ()
+        if kind == STEP:
             stage = placement.chunks[action.chunk].stage
             if pending_sends:
                 ops.append(CommBatch(pending_sends, ()))
                 pending_sends = ()
             ops.append(GradSync(stage, placement.stage_group(stage)))
         elif pending_sends or recvs:
-            ops.append(CommBatch(pending_sends, recvs))
+            append(CommBatch(pending_sends, recvs))
             pending_sends = ()
-        ops.append(action)
-        pending_sends = messages_produced(placement, action)
+        append(action)
+        pending_sends = sends
         if i in ready_at:
             if pending_sends:
                 ops.append(CommBatch(pending_sends, ()))

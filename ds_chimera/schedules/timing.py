@@ -31,13 +31,14 @@ def time_orders(placement: Placement, orders: list, costs) -> dict:
 
 
 def list_schedule(placement: Placement, limits: list, cost=(1.0, 1.0, 1.0), prefer_late_chunk=True,
-                  forward_first=False) -> list:
+                  forward_first=False, with_makespan=False):
     """Greedy zero-bubble list scheduling with split backward (Qi et al., arXiv:2401.10241).
 
     Whenever a rank is free it runs, in priority order: a ready input-grad I; a ready
     forward F if its in-flight activations stay within ``limits[rank]`` (stage units,
     counted from F to W); else a deferred weight-grad W, which fills what would be a
-    bubble. ``cost`` is (F, I, W) per chunk in slots.
+    bubble. ``cost`` is (F, I, W) per chunk in slots. With ``with_makespan`` it also returns
+    the makespan of the order under those costs (no communication cost).
     """
     f_cost, i_cost, w_cost = cost
     num_ranks = placement.num_ranks
@@ -132,7 +133,8 @@ def list_schedule(placement: Placement, limits: list, cost=(1.0, 1.0, 1.0), pref
             heapq.heappush(heap, (end, placement.rank_of(consumer)))
     if any(remaining):
         raise RuntimeError(f"list scheduling stalled with work left per rank: {remaining}")
-    return orders
+    # every rank ran its order as soon as dependencies allowed, so this is the order's makespan
+    return (orders, max(busy_until)) if with_makespan else orders
 
 
 def with_full_backward(orders: list) -> list:

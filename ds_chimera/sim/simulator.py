@@ -127,9 +127,12 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
         if len(errors) < max_errors:
             errors.append(msg)
 
-    done: dict = {}                     # (kind, chunk, mb) -> end time
+    nch = len(chunk_rank)
+    # end time of each (kind, chunk, mb), flat-indexed chunk * N + mb; None until it has run
+    f_end, b_end, i_end, w_end, s_end = ([None] * (nch * num_mbs) for _ in range(5))
+    ends = {FORWARD: f_end, BACKWARD: b_end, INPUT_GRAD: i_end, WEIGHT_GRAD: w_end, STEP: s_end}
+    got_act, got_grad = bytearray(nch * num_mbs), bytearray(nch * num_mbs)   # received by the consumer
     messages: dict = {}                 # Message -> arrival time
-    received = [set() for _ in range(num_ranks)]
     msg_waiter: dict = {}
     sync_posts: dict = {}               # (stage, k) -> {rank: time}
     sync_groups: dict = {}              # (stage, k) -> ranks
@@ -169,7 +172,7 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
             op = ops[i]
             if type(op) is Action:
                 kind, c, mb = op
-                if not (0 <= c < len(chunk_rank)) or not (0 <= mb < num_mbs):
+                if not (0 <= c < nch) or not (0 <= mb < num_mbs):
                     error(f"rank {r}: {op} names an unknown chunk or micro-batch")
                     i += 1
                     continue
@@ -177,34 +180,42 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                     error(f"rank {r}: runs {op} but chunk {c} lives on rank {chunk_rank[c]}")
                 if chunk_replica[c] != mb_replica[mb]:
                     error(f"rank {r}: {op}: micro-batch {mb} does not flow through chunk {c}")
-                key = (kind, c, mb)
-                if key in done:
+                idx = c * num_mbs + mb
+                mine = ends[kind] if kind in ends else None
+                if mine is None:
+                    error(f"rank {r}: unknown action kind {kind!r}")
+                    i += 1
+                    continue
+                if mine[idx] is not None:
                     error(f"rank {r}: {op} runs twice")
                 if kind == FORWARD:
                     p = prv[c]
-                    if p is not None and (FORWARD, p, mb) not in done:
-                        error(f"rank {r}: {op} runs before the forward of chunk {p}")
-                    elif p is not None and chunk_rank[p] != r and ("act", p, c, mb) not in received[r]:
-                        error(f"rank {r}: {op} runs without receiving its activation")
+                    if p is not None:
+                        if f_end[p * num_mbs + mb] is None:
+                            error(f"rank {r}: {op} runs before the forward of chunk {p}")
+                        elif chunk_rank[p] != r and not got_act[idx]:
+                            error(f"rank {r}: {op} runs without receiving its activation")
                     live[r] += size
                     if live[r] > peak[r]:
                         peak[r] = live[r]
-                elif kind in (BACKWARD, INPUT_GRAD):
-                    if (FORWARD, c, mb) not in done:
+                elif kind == BACKWARD or kind == INPUT_GRAD:
+                    if f_end[idx] is None:
                         error(f"rank {r}: {op} runs before its forward")
                     n = nxt[c]
-                    if n is not None and (BACKWARD, n, mb) not in done and (INPUT_GRAD, n, mb) not in done:
-                        error(f"rank {r}: {op} runs before the backward of chunk {n}")
-                    elif n is not None and chunk_rank[n] != r and ("grad", n, c, mb) not in received[r]:
-                        error(f"rank {r}: {op} runs without receiving its gradient")
+                    if n is not None:
+                        nidx = n * num_mbs + mb
+                        if b_end[nidx] is None and i_end[nidx] is None:
+                            error(f"rank {r}: {op} runs before the backward of chunk {n}")
+                        elif chunk_rank[n] != r and not got_grad[idx]:
+                            error(f"rank {r}: {op} runs without receiving its gradient")
                     if kind == BACKWARD:
                         live[r] -= size
                 elif kind == WEIGHT_GRAD:
-                    if (INPUT_GRAD, c, mb) not in done:
+                    if i_end[idx] is None:
                         error(f"rank {r}: {op} runs before its input-grad")
                     live[r] -= size
-                elif kind == STEP:
-                    if (BACKWARD, c, mb) not in done and (WEIGHT_GRAD, c, mb) not in done:
+                else:   # STEP
+                    if b_end[idx] is None and w_end[idx] is None:
                         error(f"rank {r}: {op} steps before micro-batch {mb}'s gradient exists")
                     stage = chunk_stage[c]
                     times = posted[r].get(stage)
@@ -215,13 +226,11 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                             sync_waiters.setdefault(skey, []).append(r)
                             break
                         t = max(t, finish)
-                else:
-                    error(f"rank {r}: unknown action kind {kind!r}")
-                dt = cost_of.get(kind, 0.0)
+                dt = cost_of[kind]
                 records.append((r, kind, c, mb, t, t + dt))
                 t += dt
                 busy[r] += dt
-                done[key] = t
+                mine[idx] = t
             elif type(op) is CommBatch:
                 if sends_posted[r] != i:
                     sends_posted[r] = i
@@ -229,8 +238,9 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                         mkind, src, dst, mb = m
                         if chunk_rank[src] != r:
                             error(f"rank {r}: sends {m} but chunk {src} lives on rank {chunk_rank[src]}")
-                        ready = (FORWARD, src, mb) in done if mkind == "act" else \
-                            ((BACKWARD, src, mb) in done or (INPUT_GRAD, src, mb) in done)
+                        sidx = src * num_mbs + mb
+                        ready = f_end[sidx] is not None if mkind == "act" else \
+                            (b_end[sidx] is not None or i_end[sidx] is not None)
                         if not ready:
                             error(f"rank {r}: sends {m} before computing it")
                         if m in messages:
@@ -250,9 +260,11 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                 for m in op.recvs:
                     if chunk_rank[m.dst] != r:
                         error(f"rank {r}: receives {m} but chunk {m.dst} lives on rank {chunk_rank[m.dst]}")
-                    if m in received[r]:
+                    flags = got_act if m.kind == "act" else got_grad
+                    ridx = m.dst * num_mbs + m.mb
+                    if flags[ridx]:
                         error(f"rank {r}: receives {m} twice")
-                    received[r].add(m)
+                    flags[ridx] = 1
                     if messages[m] > t:
                         t = messages[m]
             elif type(op) is GradSync:
@@ -297,7 +309,7 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
         if pc[r] < len(program.ops[r]):
             deadlock[r] = _describe_wait(program, r, pc[r], messages, sync_posts, sync_groups, posted)
     if not deadlock:
-        _check_complete(placement, done, error)
+        _check_complete(placement, ends, num_mbs, error)
         for (group, r), stages in group_orders.items():
             for other in group:
                 if group_orders.get((group, other), []) != stages:
@@ -325,13 +337,15 @@ def _describe_wait(program, rank, index, messages, sync_posts, sync_groups, post
     return f"stuck at op {index}: {op!r}"
 
 
-def _check_complete(placement, done, error) -> None:
+def _check_complete(placement, ends, num_mbs, error) -> None:
+    f_end, b_end, i_end, w_end = ends[FORWARD], ends[BACKWARD], ends[INPUT_GRAD], ends[WEIGHT_GRAD]
     for mb, replica in enumerate(placement.mb_replica):
         for c in placement.routes[replica]:
-            if (FORWARD, c, mb) not in done:
+            idx = c * num_mbs + mb
+            if f_end[idx] is None:
                 error(f"micro-batch {mb} never runs forward on chunk {c}")
-            full = (BACKWARD, c, mb) in done
-            split = (INPUT_GRAD, c, mb) in done, (WEIGHT_GRAD, c, mb) in done
+            full = b_end[idx] is not None
+            split = i_end[idx] is not None, w_end[idx] is not None
             if full and any(split):
                 error(f"micro-batch {mb} runs both a full and a split backward on chunk {c}")
             elif not full and not all(split):
