@@ -30,5 +30,10 @@ setup(
     entry_points={
         "console_scripts": ["ds-chimera = ds_chimera.cli:main"],
         "ds_chimera.schedules": SCHEDULES,
+        "ds_chimera.kernels": [
+            "torch = ds_chimera.ops.backends:TorchBackend",
+            "cpp = ds_chimera.ops.backends:CppBackend",
+            "triton = ds_chimera.ops.backends:TritonBackend",
+        ],
     },
 )

@@ -60,6 +60,27 @@ def cmd_schedules(args) -> int:
     return 0
 
 
+def cmd_kernels(args) -> int:
+    """Kernel backends for the convolution ops and whether each can run on this machine."""
+    import torch
+
+    from .ops import backends
+    found = backends.available_backends()
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    for name, backend in sorted(found.items()):
+        status = []
+        for device in devices:
+            ok, why = backend.available(device)
+            status.append(f"{device.type}: {'yes' if ok else 'no (' + why + ')'}")
+        origin = "" if type(backend).__module__.startswith("ds_chimera.") else f"  [{type(backend).__module__}]"
+        print(f"{name:<8} {getattr(backend, 'description', '')}{origin}")
+        print(f"{'':<8} {'; '.join(status)}")
+    for device in devices:
+        print(f"default on {device.type}: {backends.select(device).name}"
+              f"{' (forced by ' + backends.ENV_VAR + ')' if backends.os.environ.get(backends.ENV_VAR) else ''}")
+    return 0
+
+
 def cmd_simulate(args) -> int:
     costs = Costs(args.cost_fwd, args.cost_bwd, args.cost_wgrad, args.cost_comm, args.cost_allreduce)
     if args.schedule == "auto":
@@ -131,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds-chimera", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("schedules", help="list every schedule, entry-point plugins included")
+    sub.add_parser("kernels", help="list the convolution kernel backends (torch, cpp, triton, plugins)")
     sub.add_parser("launch", help="run a DeepSpeed script with the schedule switch: "
                                   "ds-chimera launch [--torchrun] LAUNCHER_ARGS... script.py ARGS...")
     _add_sim_args(sub.add_parser("simulate", help="simulate a schedule and report its metrics"))
@@ -149,6 +171,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "schedules":
             return cmd_schedules(args)
+        if args.command == "kernels":
+            return cmd_kernels(args)
         if args.command == "plot" and not args.plot:
             args.plot = f"{args.schedule}_D{args.stages}_N{args.micro_batches}.png"
         return cmd_simulate(args)
