@@ -1,11 +1,12 @@
-"""A small pipeline-parallel language model trained on CPU with any ds_chimera schedule.
+"""A small DynamicConv language model trained pipeline-parallel on CPU with any ds_chimera schedule.
 
     ds-chimera launch --torchrun --nproc_per_node 4 examples/train_pipeline.py --config configs/chimera.json
 
 The script is a plain DeepSpeed pipeline script: ``PipelineModule`` of ``LayerSpec``s,
 ``deepspeed.initialize``, ``train_batch``. The schedule comes from the JSON config. The
-data is generated: sequences that count upwards modulo the vocabulary with a random
-stride per sequence, so the model must read the context to predict the next token.
+model is ds_chimera.nn's DynamicConv LM (embedding, causal DynamicConv layers, head); the
+data is generated: sequences that count upwards modulo the vocabulary with a random stride
+per sequence, so the model must read the context to predict the next token.
 At the end, rank 0 writes a Gantt chart of the last measured step next to the
 simulator's prediction for the same schedule.
 """
@@ -16,67 +17,21 @@ import os
 import time
 
 import torch
-from torch import nn
 
 import deepspeed
-from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.pipe import PipelineModule
 
-VOCAB, WIDTH, SEQ = 32, 64, 16
+from ds_chimera.nn import counting_batches, lm_layer_specs, lm_loss
 
-
-class Embed(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, WIDTH)
-        self.pos = nn.Embedding(SEQ, WIDTH)
-
-    def forward(self, ids):
-        return self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
-
-
-class CausalMixer(nn.Module):
-    """Residual block: a causal mix over positions, then an MLP (tiny, CPU-friendly)."""
-
-    def __init__(self):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.mix = nn.Linear(SEQ, SEQ)
-        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
-        self.register_buffer("mask", torch.tril(torch.ones(SEQ, SEQ)), persistent=False)
-
-    def forward(self, x):
-        h = self.norm1(x).transpose(1, 2)
-        x = x + torch.nn.functional.linear(h, self.mix.weight * self.mask, self.mix.bias).transpose(1, 2)
-        return x + self.mlp(self.norm2(x))
-
-
-class Head(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm, self.out = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, x):
-        return self.out(self.norm(x))
-
-
-def lm_loss(logits, targets):
-    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
-
-
-def batches(micro_batch, seed):
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        start = torch.randint(0, VOCAB, (micro_batch, 1), generator=g)
-        stride = torch.randint(1, 4, (micro_batch, 1), generator=g)
-        seq = (start + stride * torch.arange(SEQ + 1)) % VOCAB
-        yield seq[:, :-1], seq[:, 1:]
+VOCAB, SEQ = 32, 16
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/chimera.json")
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--blocks", type=int, default=6)
+    parser.add_argument("--layers", type=int, default=6, help="DynamicConv layers")
+    parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--out", default="demo_out")
     parser.add_argument("--local_rank", type=int, default=0)   # passed by the deepspeed launcher
     args = parser.parse_args()
@@ -88,10 +43,12 @@ def main():
     trace_dir = os.path.join(args.out, "trace")
     config.setdefault("pipeline", {})["trace_dir"] = trace_dir
     stages = int(os.environ.get("WORLD_SIZE", "1"))
-    layers = [LayerSpec(Embed)] + [LayerSpec(CausalMixer) for _ in range(args.blocks)] + [LayerSpec(Head)]
+    layers = lm_layer_specs(vocab_size=VOCAB, d_model=args.width, num_layers=args.layers, kernel_sizes=(3, 7, 15, 31),
+                            num_heads=4, max_len=SEQ)
     net = PipelineModule(layers=layers, num_stages=stages, loss_fn=lm_loss, partition_method="uniform")
     engine, _, _, _ = deepspeed.initialize(model=net, config=config)
-    data = batches(engine.train_micro_batch_size_per_gpu(), seed=1 + engine.grid.get_data_parallel_id())
+    data = counting_batches(engine.train_micro_batch_size_per_gpu(), seq_len=SEQ, vocab_size=VOCAB,
+                            seed=1 + engine.grid.get_data_parallel_id())
     if rank == 0:
         print(f"training with {type(engine).__name__}, schedule {config['pipeline'].get('schedule')}, "
               f"{engine.gradient_accumulation_steps()} micro-batches per step", flush=True)

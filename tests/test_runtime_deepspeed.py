@@ -21,7 +21,7 @@ OTHER = ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv", "actckpt-4x1-chime
          "actckpt-4x1-interleaved", "ckpt-resume-chimera", "ckpt-resume-2x2-zbv", "ckpt-cross-chimera-to-1f1b",
          "ckpt-cross-chimera-to-stock", "ckpt-cross-zbv-to-interleaved", "stock-clipping", "bf16-4x1-chimera",
          "bf16-2x2-zbv", "bf16-4x1-stock", "bf16-4x1-1f1b-noclip", "zero1-2x2-breadth-first", "zero1-2x2-zbv",
-         "zero1-2x2-zbv-tied", "bad-zero1-chimera", "bad-zero1-tied", "bad-zero2", "bad-unknown",
+         "zero1-2x2-zbv-tied", "lm-chimera", "lm-zbv", "bad-zero1-chimera", "bad-zero1-tied", "bad-zero2", "bad-unknown",
          "bad-pipelines", "bad-interleaved-n", "bad-option"]
 
 
@@ -112,3 +112,10 @@ def test_bf16_with_deepspeeds_bf16_optimizer(results, scenario):
     assert r["max_param_diff"] < 5e-3
     assert all(abs(a - b) <= 3e-3 * abs(b) for a, b in zip(r["losses"], r["ref_losses"]))
     assert r["replica_spread"] == 0.0
+
+
+@pytest.mark.parametrize("scenario", ["lm-chimera", "lm-zbv"])
+def test_dynamicconv_lm_trains_under_pipeline_schedules(results, scenario):
+    losses = results[scenario]["losses"]
+    assert losses[0] > 3.0                                  # about log(32) at the start
+    assert sum(losses[-3:]) / 3 < 0.6 * losses[0], losses

@@ -226,6 +226,21 @@ def bad_config(kind):
     return {"error": None}
 
 
+def lm_training(schedule, steps=25, **options):
+    """The DynamicConv LM of ds_chimera.nn through a pipeline schedule: the loss must fall."""
+    from ds_chimera.nn import counting_batches, lm_layer_specs, lm_loss
+    specs = lm_layer_specs(vocab_size=32, d_model=32, num_layers=6, kernel_sizes=(3, 7, 15, 31), num_heads=4,
+                           max_len=16)
+    net = PipelineModule(layers=specs, num_stages=4, loss_fn=lm_loss, partition_method="uniform",
+                         seed_layers=True, base_seed=BASE_SEED)
+    cfg = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+           "gradient_clipping": 1.0, "pipeline": {"schedule": schedule, "timeout": 60, **options}}
+    engine, _, _, _ = deepspeed.initialize(model=net, config=cfg,
+                                           optimizer=lambda p: torch.optim.AdamW(p, lr=5e-3))
+    data = counting_batches(2, seq_len=16, vocab_size=32, seed=7)
+    return {"losses": [engine.train_batch(data).item() for _ in range(steps)]}
+
+
 SCENARIOS = {}
 SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved": {"chunks": 2}, "breadth-first": {"chunks": 2},
              "chimera": {}, "chimera-fd": {"order": "forward-doubling"}, "chimera-merged": {"order": "merged"},
@@ -246,6 +261,8 @@ SCENARIOS["ckpt-cross-chimera-to-1f1b"] = lambda: checkpoint_resume("chimera", 4
 SCENARIOS["ckpt-cross-chimera-to-stock"] = lambda: checkpoint_resume("chimera", 4, 1, 8, load_schedule="stock")
 SCENARIOS["ckpt-cross-zbv-to-interleaved"] = lambda: checkpoint_resume("zbv", 4, 1, 8, load_schedule="interleaved")
 SCENARIOS["stock-clipping"] = stock_clipping
+SCENARIOS["lm-chimera"] = lambda: lm_training("chimera")
+SCENARIOS["lm-zbv"] = lambda: lm_training("zbv")
 SCENARIOS["zero1-2x2-breadth-first"] = lambda: train_and_compare("breadth-first", 2, 2, 4, zero=1, chunks=2)
 SCENARIOS["zero1-2x2-zbv-tied"] = lambda: train_and_compare("zbv", 2, 2, 4, zero=1, tied=True)
 SCENARIOS["zero1-2x2-zbv"] = lambda: train_and_compare("zbv", 2, 2, 4, zero=1)
