@@ -9,6 +9,8 @@ DynamicConv weight (B, H, K, T).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -175,3 +177,202 @@ def dynamicconv_backward_weight(grad, x, padding_l, heads, kernel):
                                                                         padding_l, channels // heads, heads,
                                                                         KP=kp, BLOCK_T=block)
     return gw
+
+
+# ---- banded-matmul kernels ------------------------------------------------------------------
+# For K > 4 the tap loop above re-reads x K times. These kernels read a tile of x (with its
+# K-1 halo) once per (batch, head, time tile, channel block) and apply all K taps as one
+# tl.dot with a (BT+K-1) x BT band matrix built from the kernel. The band is shared by the
+# channels of a head, so the kernel weights are read once per tile, not once per channel.
+# fp32 uses three-pass TF32 (tf32x3) for fp32-level accuracy on the tensor cores.
+
+@triton.jit
+def _band_fwd(x_ptr, w_ptr, y_ptr, C, T, K, P, CPH, H, DYNAMIC: tl.constexpr, BG: tl.constexpr,
+              BT: tl.constexpr, BTK: tl.constexpr, PREC: tl.constexpr):
+    """y[g, t0+j] = sum_i X[g, i] * band[i, j], X[g, i] = x[g, t0 - P + i], band[i, j] = w[i - j (, t0+j)]."""
+    bh = tl.program_id(0)
+    t0 = tl.program_id(1) * BT
+    g0 = tl.program_id(2) * BG
+    b = bh // H
+    h = bh % H
+    g = g0 + tl.arange(0, BG)
+    i = tl.arange(0, BTK)
+    j = tl.arange(0, BT)
+    rows = (b * C + h * CPH + g).to(tl.int64) * T
+    s = t0 - P + i
+    xmask = (g[:, None] < CPH) & (i[None, :] < BT + K - 1) & (s[None, :] >= 0) & (s[None, :] < T)
+    X = tl.load(x_ptr + rows[:, None] + s[None, :], mask=xmask, other=0.0)
+    k = i[:, None] - j[None, :]
+    bmask = (k >= 0) & (k < K) & (t0 + j[None, :] < T)
+    if DYNAMIC:
+        wptr = w_ptr + bh.to(tl.int64) * K * T + k * T + (t0 + j)[None, :]
+    else:
+        wptr = w_ptr + h * K + k
+    band = tl.load(wptr, mask=bmask, other=0.0).to(X.dtype)
+    acc = tl.dot(X, band, input_precision=PREC)
+    ymask = (g[:, None] < CPH) & (t0 + j[None, :] < T)
+    tl.store(y_ptr + rows[:, None] + (t0 + j)[None, :], acc.to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+@triton.jit
+def _band_dyn_bwd_input(gy_ptr, w_ptr, gx_ptr, C, T, K, P, CPH, H, BG: tl.constexpr, BT: tl.constexpr,
+                        BTK: tl.constexpr, PREC: tl.constexpr):
+    """gx[g, s0+j] = sum_i GY[g, i] * band[i, j], t_i = s0 - (K-1) + P + i, band[i, j] = w[j - i + K - 1, t_i]."""
+    bh = tl.program_id(0)
+    s0 = tl.program_id(1) * BT
+    g0 = tl.program_id(2) * BG
+    b = bh // H
+    h = bh % H
+    g = g0 + tl.arange(0, BG)
+    i = tl.arange(0, BTK)
+    j = tl.arange(0, BT)
+    rows = (b * C + h * CPH + g).to(tl.int64) * T
+    t = s0 - (K - 1) + P + i
+    valid_t = (i < BT + K - 1) & (t >= 0) & (t < T)
+    GY = tl.load(gy_ptr + rows[:, None] + t[None, :], mask=(g[:, None] < CPH) & valid_t[None, :], other=0.0)
+    k = j[None, :] - i[:, None] + K - 1
+    bmask = (k >= 0) & (k < K) & valid_t[:, None]
+    band = tl.load(w_ptr + bh.to(tl.int64) * K * T + k * T + t[:, None], mask=bmask, other=0.0).to(GY.dtype)
+    acc = tl.dot(GY, band, input_precision=PREC)
+    mask = (g[:, None] < CPH) & (s0 + j[None, :] < T)
+    tl.store(gx_ptr + rows[:, None] + (s0 + j)[None, :], acc.to(gx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _band_wgrad(gy_ptr, x_ptr, out_ptr, C, T, K, P, CPH, H, n_t, DYNAMIC: tl.constexpr, BG: tl.constexpr,
+                BT: tl.constexpr, BTK: tl.constexpr, PREC: tl.constexpr):
+    """corr[i, j] = sum_g X[g, i] GY[g, j] over the head's channels; tap k is the diagonal i - j = k.
+
+    DYNAMIC: gw[b, h, k, t0+j] = corr[j + k, j]. Otherwise a partial sum_j corr[j + k, j] per tile.
+    """
+    bh = tl.program_id(0)
+    tb = tl.program_id(1)
+    t0 = tb * BT
+    b = bh // H
+    h = bh % H
+    i = tl.arange(0, BTK)
+    j = tl.arange(0, BT)
+    s = t0 - P + i
+    xcols = (i < BT + K - 1) & (s >= 0) & (s < T)
+    corr = tl.zeros([BTK, BT], dtype=tl.float32)
+    for g0 in range(0, CPH, BG):
+        g = g0 + tl.arange(0, BG)
+        rows = (b * C + h * CPH + g).to(tl.int64) * T
+        X = tl.load(x_ptr + rows[:, None] + s[None, :], mask=(g[:, None] < CPH) & xcols[None, :], other=0.0)
+        GY = tl.load(gy_ptr + rows[:, None] + (t0 + j)[None, :],
+                     mask=(g[:, None] < CPH) & (t0 + j[None, :] < T), other=0.0)
+        corr += tl.dot(tl.trans(X), GY.to(X.dtype), input_precision=PREC)
+    diff = i[:, None] - j[None, :]
+    for k in range(0, K):
+        on_k = tl.sum(tl.where(diff == k, corr, 0.0), axis=0)           # [BT]: corr[j + k, j]
+        if DYNAMIC:
+            tl.store(out_ptr + bh.to(tl.int64) * K * T + k * T + t0 + j, on_k.to(out_ptr.dtype.element_ty),
+                     mask=t0 + j < T)
+        else:
+            tl.store(out_ptr + (bh.to(tl.int64) * n_t + tb) * K + k, tl.sum(on_k, axis=0))
+
+
+BAND_MIN_K = 5
+BAND_MAX_K = 129
+
+
+def _band_config(kernel, channels_per_head, dtype):
+    bt = 64
+    btk = triton.next_power_of_2(bt + kernel - 1)
+    bg = max(16, min(64, triton.next_power_of_2(channels_per_head)))
+    prec = "tf32x3" if dtype == torch.float32 else "ieee"
+    return bg, bt, btk, prec
+
+
+def _use_band(x, kernel):
+    if not BAND_MIN_K <= kernel <= BAND_MAX_K:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # Triton's CPU interpreter computes tl.dot on 16-bit inputs wrongly (numpy has no bf16);
+        # there the 16-bit cases take the tap loop. The GPU run checks the 16-bit band kernels.
+        return x.dtype == torch.float32
+    return x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _use_band_wgrad(x, kernel):
+    # measured on an H200: the diagonal extraction costs more than the tap loop in fp32 (tf32x3),
+    # less in 16-bit (benchmarks/RESULTS.md)
+    return _use_band(x, kernel) and x.dtype != torch.float32
+
+
+def _band_forward(x, w, padding_l, dynamic):
+    batch, channels, time = x.shape
+    heads, kernel = (w.shape[1], w.shape[2]) if dynamic else w.shape
+    cph = channels // heads
+    bg, bt, btk, prec = _band_config(kernel, cph, x.dtype)
+    y = torch.empty_like(x)
+    grid = (batch * heads, triton.cdiv(time, bt), triton.cdiv(cph, bg))
+    _band_fwd[grid](x, w, y, channels, time, kernel, padding_l, cph, heads, DYNAMIC=dynamic, BG=bg, BT=bt, BTK=btk,
+                    PREC=prec)
+    return y
+
+
+def _band_weight_grad(grad, x, padding_l, heads, kernel, dynamic):
+    batch, channels, time = x.shape
+    cph = channels // heads
+    bg, bt, btk, prec = _band_config(kernel, cph, x.dtype)
+    n_t = triton.cdiv(time, bt)
+    if dynamic:
+        out = torch.empty(batch, heads, kernel, time, device=x.device, dtype=x.dtype)
+    else:
+        out = torch.empty(batch * heads, n_t, kernel, device=x.device, dtype=torch.float32)
+    _band_wgrad[(batch * heads, n_t)](grad, x, out, channels, time, kernel, padding_l, cph, heads, n_t,
+                                      DYNAMIC=dynamic, BG=bg, BT=bt, BTK=btk, PREC=prec)
+    if dynamic:
+        return out
+    return out.view(batch, heads, n_t, kernel).sum(dim=(0, 2)).to(x.dtype)
+
+
+_tap_lightconv_forward = lightconv_forward
+_tap_lightconv_backward_weight = lightconv_backward_weight
+_tap_dynamicconv_forward = dynamicconv_forward
+_tap_dynamicconv_backward_input = dynamicconv_backward_input
+_tap_dynamicconv_backward_weight = dynamicconv_backward_weight
+
+
+def lightconv_forward(x, w, padding_l):  # noqa: F811  (band version for mid-size K, tap loop otherwise)
+    x, w = x.contiguous(), w.contiguous()
+    if _use_band(x, w.shape[1]):
+        return _band_forward(x, w, padding_l, dynamic=False)
+    return _tap_lightconv_forward(x, w, padding_l)
+
+
+def lightconv_backward_weight(grad, x, padding_l, heads, kernel):  # noqa: F811
+    grad, x = grad.contiguous(), x.contiguous()
+    if _use_band_wgrad(x, kernel):
+        return _band_weight_grad(grad, x, padding_l, heads, kernel, dynamic=False)
+    return _tap_lightconv_backward_weight(grad, x, padding_l, heads, kernel)
+
+
+def dynamicconv_forward(x, w, padding_l):  # noqa: F811
+    x, w = x.contiguous(), w.contiguous()
+    if _use_band(x, w.shape[2]):
+        return _band_forward(x, w, padding_l, dynamic=True)
+    return _tap_dynamicconv_forward(x, w, padding_l)
+
+
+def dynamicconv_backward_input(grad, w, padding_l):  # noqa: F811
+    grad, w = grad.contiguous(), w.contiguous()
+    if not _use_band(grad, w.shape[2]):
+        return _tap_dynamicconv_backward_input(grad, w, padding_l)
+    batch, channels, time = grad.shape
+    heads, kernel = w.shape[1], w.shape[2]
+    cph = channels // heads
+    bg, bt, btk, prec = _band_config(kernel, cph, grad.dtype)
+    gx = torch.empty_like(grad)
+    grid = (batch * heads, triton.cdiv(time, bt), triton.cdiv(cph, bg))
+    _band_dyn_bwd_input[grid](grad, w, gx, channels, time, kernel, padding_l, cph, heads, BG=bg, BT=bt, BTK=btk,
+                              PREC=prec)
+    return gx
+
+
+def dynamicconv_backward_weight(grad, x, padding_l, heads, kernel):  # noqa: F811
+    grad, x = grad.contiguous(), x.contiguous()
+    if _use_band_wgrad(x, kernel):
+        return _band_weight_grad(grad, x, padding_l, heads, kernel, dynamic=True)
+    return _tap_dynamicconv_backward_weight(grad, x, padding_l, heads, kernel)
