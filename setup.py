@@ -1,5 +1,21 @@
 """ds_chimera: pipeline schedules (Chimera, breadth-first, PipeOptim, zero-bubble...) for DeepSpeed."""
+import glob
+import os
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+
+class BuildPyWithKernelSources(build_py):
+    """Ship csrc/ inside the package, so an installed copy can JIT-build the CPU kernels."""
+
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, "ds_chimera", "csrc")
+        os.makedirs(target, exist_ok=True)
+        for source in glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "*.cpp")):
+            shutil.copy(source, target)
 
 SCHEDULES = [
     "gpipe = ds_chimera.schedules.classic:GPipe",
@@ -27,6 +43,7 @@ setup(
         "hf": ["transformers", "deepspeed"],
         "megatron": ["megatron-core", "deepspeed"],
     },
+    cmdclass={"build_py": BuildPyWithKernelSources},
     entry_points={
         "console_scripts": ["ds-chimera = ds_chimera.cli:main"],
         "ds_chimera.schedules": SCHEDULES,
