@@ -8,7 +8,7 @@ STAMP := .make-installed
 
 $(STAMP): setup.py Makefile
 	$(PYTHON) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PYTHON) -m pip install --quiet "deepspeed==$(DEEPSPEED_VERSION)" pytest matplotlib numpy
+	$(PYTHON) -m pip install --quiet "deepspeed==$(DEEPSPEED_VERSION)" triton pytest matplotlib numpy
 	$(PYTHON) -m pip install --quiet --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
