@@ -43,94 +43,94 @@ def list_schedule(placement: Placement, limits: list, cost=(1.0, 1.0, 1.0), pref
     f_cost, i_cost, w_cost = cost
     num_ranks = placement.num_ranks
     size = placement.size
+    nch = len(placement.chunks)
+    prev_of = [placement.prev_chunk(c) for c in range(nch)]
+    next_of = [placement.next_chunk(c) for c in range(nch)]
+    rank_of = [placement.rank_of(c) for c in range(nch)]
+    duration = {FORWARD: f_cost * size, INPUT_GRAD: i_cost * size, WEIGHT_GRAD: w_cost * size}
     chunks_of = [placement.chunks_on(r) for r in range(num_ranks)]
     if prefer_late_chunk:
         chunks_of = [sorted(cs, key=lambda c: -placement.chunks[c].stage) for cs in chunks_of]
-    mbs_of = [placement.micro_batches_of(placement.chunks[c].replica) for c in range(len(placement.chunks))]
-    next_f = [0] * len(placement.chunks)          # index into mbs_of[chunk]
+    mbs_of = [placement.micro_batches_of(placement.chunks[c].replica) for c in range(nch)]
+    next_f = [0] * nch                            # index into mbs_of[chunk]
     f_end: dict = {}
     ready_i = [[] for _ in range(num_ranks)]      # heap of (ready time, seq, chunk, mb)
-    seq = 0
     pending_w = [deque() for _ in range(num_ranks)]
     live = [0.0] * num_ranks
     remaining = [sum(3 * len(mbs_of[c]) for c in chunks_of[r]) for r in range(num_ranks)]
     orders = [[] for _ in range(num_ranks)]
     heap = [(0.0, r) for r in range(num_ranks)]
     busy_until = [0.0] * num_ranks
+    seq = 0
+    push, pop = heapq.heappush, heapq.heappop
 
-    def forward_ready(chunk, mb):
-        prev = placement.prev_chunk(chunk)
-        return 0.0 if prev is None else f_end.get((prev, mb))
+    def pick_input(r, t, future):
+        queue = ready_i[r]
+        if queue:
+            when, _, chunk, mb = queue[0]
+            if when <= t:
+                pop(queue)
+                return (INPUT_GRAD, chunk, mb)
+            future.append(when)
+        return None
 
-    def input_becomes_ready(chunk, mb, when):
-        nonlocal seq
-        seq += 1
-        heapq.heappush(ready_i[placement.rank_of(chunk)], (when, seq, chunk, mb))
+    def pick_forward(r, t, future):
+        if live[r] + size > limits[r] + 1e-9:
+            return None
+        for chunk in chunks_of[r]:
+            index = next_f[chunk]
+            if index < len(mbs_of[chunk]):
+                mb = mbs_of[chunk][index]
+                prev = prev_of[chunk]
+                ready = 0.0 if prev is None else f_end.get((prev, mb))
+                if ready is not None and ready <= t:
+                    return (FORWARD, chunk, mb)
+                if ready is not None:
+                    future.append(ready)
+        return None
 
+    picks = (pick_forward, pick_input) if forward_first else (pick_input, pick_forward)
     while heap:
-        t, r = heapq.heappop(heap)
+        t, r = pop(heap)
         if remaining[r] == 0 or t < busy_until[r]:
             continue   # finished, or a stale wake-up while busy
-        choice, future = None, []
-
-        def pick_input():
-            if ready_i[r]:
-                when, _, chunk, mb = ready_i[r][0]
-                if when <= t:
-                    heapq.heappop(ready_i[r])
-                    return (INPUT_GRAD, chunk, mb)
-                future.append(when)
-            return None
-
-        def pick_forward():
-            if live[r] + size > limits[r] + 1e-9:
-                return None
-            for chunk in chunks_of[r]:
-                if next_f[chunk] < len(mbs_of[chunk]):
-                    mb = mbs_of[chunk][next_f[chunk]]
-                    ready = forward_ready(chunk, mb)
-                    if ready is not None and ready <= t:
-                        return (FORWARD, chunk, mb)
-                    if ready is not None:
-                        future.append(ready)
-            return None
-
-        for pick in ((pick_forward, pick_input) if forward_first else (pick_input, pick_forward)):
-            choice = pick()
-            if choice is not None:
-                break
+        future = []
+        choice = picks[0](r, t, future) or picks[1](r, t, future)
         if choice is None and pending_w[r]:
             # A W is only worth starting if it ends before known critical work arrives.
-            if not future or min(future) >= t + w_cost * size - 1e-9:
+            if not future or min(future) >= t + duration[WEIGHT_GRAD] - 1e-9:
                 choice = (WEIGHT_GRAD,) + pending_w[r][0]
         if choice is None:
             if future:   # otherwise the rank sleeps until a producer wakes it
-                heapq.heappush(heap, (min(future), r))
+                push(heap, (min(future), r))
             continue
         kind, chunk, mb = choice
-        end = t + {FORWARD: f_cost, INPUT_GRAD: i_cost, WEIGHT_GRAD: w_cost}[kind] * size
+        end = t + duration[kind]
         orders[r].append(Action(kind, chunk, mb))
         remaining[r] -= 1
         if kind == FORWARD:
             next_f[chunk] += 1
             f_end[(chunk, mb)] = end
-            if placement.next_chunk(chunk) is None:
-                input_becomes_ready(chunk, mb, end)
+            if next_of[chunk] is None:
+                seq += 1
+                push(ready_i[r], (end, seq, chunk, mb))
             live[r] += size
+            consumer = next_of[chunk]
         elif kind == INPUT_GRAD:
-            prev = placement.prev_chunk(chunk)
+            prev = prev_of[chunk]
             if prev is not None:
-                input_becomes_ready(prev, mb, max(end, f_end[(prev, mb)]))
+                seq += 1
+                push(ready_i[rank_of[prev]], (max(end, f_end[(prev, mb)]), seq, prev, mb))
             pending_w[r].append((chunk, mb))
+            consumer = prev
         else:
             pending_w[r].popleft()
             live[r] -= size
+            consumer = None
         busy_until[r] = end
-        heapq.heappush(heap, (end, r))
-        consumer = placement.next_chunk(chunk) if kind == FORWARD else (
-            placement.prev_chunk(chunk) if kind == INPUT_GRAD else None)
-        if consumer is not None and placement.rank_of(consumer) != r:
-            heapq.heappush(heap, (end, placement.rank_of(consumer)))
+        push(heap, (end, r))
+        if consumer is not None and rank_of[consumer] != r:
+            push(heap, (end, rank_of[consumer]))
     if any(remaining):
         raise RuntimeError(f"list scheduling stalled with work left per rank: {remaining}")
     # every rank ran its order as soon as dependencies allowed, so this is the order's makespan
