@@ -272,6 +272,51 @@ def _band_wgrad(gy_ptr, x_ptr, out_ptr, C, T, K, P, CPH, H, n_t, DYNAMIC: tl.con
             tl.store(out_ptr + (bh.to(tl.int64) * n_t + tb) * K + k, tl.sum(on_k, axis=0))
 
 
+@triton.jit
+def _band_wgrad_shear(gy_ptr, x_ptr, out_ptr, scratch_ptr, C, T, K, P, CPH, H, n_t, n_tiles,
+                      DYNAMIC: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr, BTK: tl.constexpr,
+                      KP: tl.constexpr, PREC: tl.constexpr):
+    """Weight grads from the correlation tile corr = X^T GY (tensor cores), sheared through scratch.
+
+    Tap k is the diagonal corr[j + k, j]. The tile is written to this program's scratch slot
+    and read back skewed, one [K, BT] load, instead of K full-tile reductions. A persistent
+    grid keeps the scratch small (one slot per program).
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    i = tl.arange(0, BTK)
+    j = tl.arange(0, BT)
+    kk = tl.arange(0, KP)
+    slot = scratch_ptr + pid.to(tl.int64) * BTK * BT
+    for tile in range(pid, n_tiles, nprog):
+        tile64 = tl.full([], 0, tl.int64) + tile     # int64 offsets (and a tensor under the interpreter)
+        bh = tile64 // n_t
+        tb = tile64 % n_t
+        t0 = tb * BT
+        b = bh // H
+        h = bh % H
+        s = t0 - P + i
+        xcols = (i < BT + K - 1) & (s >= 0) & (s < T)
+        corr = tl.zeros([BTK, BT], dtype=tl.float32)
+        for g0 in range(0, CPH, BG):
+            g = g0 + tl.arange(0, BG)
+            rows = (b * C + h * CPH + g) * T
+            X = tl.load(x_ptr + rows[:, None] + s[None, :], mask=(g[:, None] < CPH) & xcols[None, :], other=0.0)
+            GY = tl.load(gy_ptr + rows[:, None] + (t0 + j)[None, :],
+                         mask=(g[:, None] < CPH) & (t0 + j[None, :] < T), other=0.0)
+            corr += tl.dot(tl.trans(X), GY.to(X.dtype), input_precision=PREC)
+        tl.store(slot + i[:, None] * BT + j[None, :], corr)
+        tl.debug_barrier()
+        kmask = (kk[:, None] < K) & (t0 + j[None, :] < T)
+        taps = tl.load(slot + (j[None, :] + kk[:, None]) * BT + j[None, :], mask=kmask, other=0.0)   # [KP, BT]
+        tl.debug_barrier()
+        if DYNAMIC:
+            tl.store(out_ptr + bh * K * T + kk[:, None] * T + (t0 + j)[None, :],
+                     taps.to(out_ptr.dtype.element_ty), mask=kmask)
+        else:
+            tl.store(out_ptr + tile64 * K + kk, tl.sum(taps, axis=1), mask=kk < K)
+
+
 BAND_MIN_K = 5
 BAND_MAX_K = 129
 
@@ -295,9 +340,7 @@ def _use_band(x, kernel):
 
 
 def _use_band_wgrad(x, kernel):
-    # measured on an H200: the diagonal extraction costs more than the tap loop in fp32 (tf32x3),
-    # less in 16-bit (benchmarks/RESULTS.md)
-    return _use_band(x, kernel) and x.dtype != torch.float32
+    return _use_band(x, kernel)
 
 
 def _band_forward(x, w, padding_l, dynamic):
@@ -317,12 +360,19 @@ def _band_weight_grad(grad, x, padding_l, heads, kernel, dynamic):
     cph = channels // heads
     bg, bt, btk, prec = _band_config(kernel, cph, x.dtype)
     n_t = triton.cdiv(time, bt)
+    n_tiles = batch * heads * n_t
+    if x.device.type == "cuda":
+        programs = min(n_tiles, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count)
+    else:
+        programs = min(n_tiles, 4)
+    scratch = torch.empty(programs, btk, bt, device=x.device, dtype=torch.float32)
     if dynamic:
         out = torch.empty(batch, heads, kernel, time, device=x.device, dtype=x.dtype)
     else:
-        out = torch.empty(batch * heads, n_t, kernel, device=x.device, dtype=torch.float32)
-    _band_wgrad[(batch * heads, n_t)](grad, x, out, channels, time, kernel, padding_l, cph, heads, n_t,
-                                      DYNAMIC=dynamic, BG=bg, BT=bt, BTK=btk, PREC=prec)
+        out = torch.empty(n_tiles, kernel, device=x.device, dtype=torch.float32)
+    _band_wgrad_shear[(programs,)](grad, x, out, scratch, channels, time, kernel, padding_l, cph, heads, n_t, n_tiles,
+                                   DYNAMIC=dynamic, BG=bg, BT=bt, BTK=btk, KP=triton.next_power_of_2(kernel),
+                                   PREC=prec)
     if dynamic:
         return out
     return out.view(batch, heads, n_t, kernel).sum(dim=(0, 2)).to(x.dtype)
