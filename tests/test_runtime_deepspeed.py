@@ -21,7 +21,8 @@ OTHER = ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv", "actckpt-4x1-chime
          "actckpt-4x1-interleaved", "ckpt-resume-chimera", "ckpt-resume-2x2-zbv", "ckpt-cross-chimera-to-1f1b",
          "ckpt-cross-chimera-to-stock", "ckpt-cross-zbv-to-interleaved", "stock-clipping", "bf16-4x1-chimera",
          "bf16-2x2-zbv", "bf16-4x1-stock", "bf16-4x1-1f1b-noclip", "zero1-2x2-breadth-first", "zero1-2x2-zbv",
-         "zero1-2x2-zbv-tied", "lm-chimera", "lm-zbv", "bad-zero1-chimera", "bad-zero1-tied", "bad-zero2", "bad-unknown",
+         "zero1-2x2-zbv-tied", "lm-chimera", "lm-zbv", "bad-zero1-chimera", "bad-zero1-tied", "bad-zero2",
+         "bad-fp16", "bad-load-other-schedule", "bad-unknown",
          "bad-pipelines", "bad-interleaved-n", "bad-option"]
 
 
@@ -99,6 +100,8 @@ def test_global_norm_clipping_where_deepspeed_stock_is_wrong(results):
     ("bad-zero1-chimera", "ZeRO stage 1 with schedule 'chimera' is not supported: its stages are replicated"),
     ("bad-zero1-tied", "ZeRO stage 1 with weights tied across pipeline ranks (proj) is not supported"),
     ("bad-zero2", "ZeRO stage 2 does not compose with pipeline schedules; use stage 0 or 1"),
+    ("bad-fp16", "fp16 training (loss scaling) is not supported by ds_chimera schedules yet"),
+    ("bad-load-other-schedule", "its optimizer state does not map onto these chunks. Load the weights only"),
 ])
 def test_bad_config_fails_at_initialize(results, scenario, message):
     assert message in (results[scenario]["error"] or "")

@@ -70,3 +70,30 @@ def test_reports_busy_time_makespan_and_trace_records():
     assert result.makespan == 33.0
     assert len(result.records) == 2 * 8 * 4
     assert all(end > start for (_, _, _, _, start, end) in result.records)
+
+
+def test_messages_received_out_of_send_order_are_reported():
+    # rank 1 runs micro-batch 1 before 0: fine with gloo tags, wrong with NCCL's in-order matching
+    program = two_stage([[Action(F, 0, 0), Action(F, 0, 1), Action(B, 0, 0), Action(B, 0, 1)],
+                         [Action(F, 1, 1), Action(B, 1, 1), Action(F, 1, 0), Action(B, 1, 0)]])
+    errors = simulate(program).errors
+    assert any("received in another order than sent" in e for e in errors)
+
+
+def test_gradient_sync_before_the_last_backward_is_reported():
+    from ds_chimera.schedules import GradSync
+    program = build("chimera", 2, 2).lower()
+    ops = program.ops[0]
+    sync = next(i for i, op in enumerate(ops) if isinstance(op, GradSync))
+    ops.insert(0, ops.pop(sync))          # post a sync at the very start of rank 0's program
+    errors = simulate(program).errors
+    assert any("posts the gradient sync of stage" in e and "before the backward" in e for e in errors)
+
+
+def test_missing_gradient_sync_of_a_replicated_stage_is_reported():
+    from ds_chimera.schedules import GradSync
+    program = build("chimera", 2, 2).lower()
+    for ops in program.ops:
+        ops[:] = [op for op in ops if not isinstance(op, GradSync)]
+    errors = simulate(program).errors
+    assert any("never posts the gradient sync of replicated stage" in e for e in errors)

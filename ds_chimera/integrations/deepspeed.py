@@ -26,8 +26,18 @@ def _load_config(args, config, config_params):
                 config = path
                 break
     if isinstance(config, (str, os.PathLike)):
-        with open(config) as fh:
-            config = json.load(fh)
+        try:   # DeepSpeed's own reader: JSON, HJSON or base64
+            from deepspeed.runtime.config import DeepSpeedConfig  # noqa: F401
+            from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
+            import hjson
+            if os.path.exists(config):
+                with open(config) as fh:
+                    config = hjson.load(fh, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+            else:
+                import base64
+                config = json.loads(base64.urlsafe_b64decode(config).decode("utf-8"))
+        except Exception:
+            return None   # not ours to judge: DeepSpeed's initialize reports it
     return config
 
 
@@ -55,8 +65,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     from ..runtime.setup import prepare_module
     from ..runtime.engine import ScheduledPipelineEngine
     model_parameters = prepare_module(model, loaded, model_parameters)
-    call.update(config=loaded, config_params=None, model_parameters=model_parameters,
-                optimizer=_rebind_optimizer(optimizer, model))
+    rebound = _rebind_optimizer(optimizer, model)
+    if rebound is not optimizer and lr_scheduler is not None and not callable(lr_scheduler):
+        raise ValueError("ds_chimera rebuilt the optimizer on the schedule's chunks, so a scheduler instance "
+                         "bound to the old optimizer would not drive it; pass lr_scheduler as a callable "
+                         "(lambda optimizer: ...) or configure it in the DeepSpeed config")
+    call.update(config=loaded, config_params=None, model_parameters=model_parameters, optimizer=rebound)
     if args is not None and (getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)):
         # DeepSpeed refuses a config both in args and as a dict; the dict (already read) wins.
         args = _without_config_path(args)
@@ -119,21 +133,26 @@ class _DeepSpeedImportHook:
     """Install the patch right after ``import deepspeed``, without importing it ourselves (slow)."""
 
     def find_spec(self, name, path=None, target=None):
-        if name != "deepspeed":
+        if name != "deepspeed" or getattr(self, "_searching", False):
             return None
-        sys.meta_path.remove(self)
         import importlib.util
-        spec = importlib.util.find_spec(name)
+        self._searching = True            # find the real spec without finding ourselves again
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._searching = False
         if spec is None or spec.loader is None:
             return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
+        hook = self
+        exec_module = spec.loader.exec_module
 
         def exec_and_patch(module):
             exec_module(module)
+            if hook in sys.meta_path:    # stay installed until deepspeed has really been imported
+                sys.meta_path.remove(hook)
             install()
 
-        loader.exec_module = exec_and_patch
+        spec.loader.exec_module = exec_and_patch
         return spec
 
 

@@ -71,7 +71,7 @@ class Chunk(nn.Module):
     def _params(self, start: int, stop: int) -> list:
         seen, out = set(), []
         for func in self.funcs[start:stop]:
-            module = func.args[0] if isinstance(func, partial) else func
+            module = _bound_module(func)
             if isinstance(module, nn.Module):
                 for p in module.parameters():
                     if p.requires_grad and id(p) not in seen:
@@ -146,9 +146,13 @@ def build_chunks(module: PipelineModule, placement, rank: int, parts: list, devi
     return chunk_list, tied_modules
 
 
+def _bound_module(func):
+    """The module behind a layer: itself, or a tied module bound as a forward_fn's first argument."""
+    if isinstance(func, partial) and func.args and isinstance(func.args[0], nn.Module):
+        return func.args[0]
+    return func
+
+
 def layer_objects(chunk: Chunk) -> dict:
     """Global layer index -> the built layer object (module, tied module or function)."""
-    out = {}
-    for i, func in enumerate(chunk.funcs):
-        out[chunk.start + i] = func.args[0] if isinstance(func, partial) else func
-    return out
+    return {chunk.start + i: _bound_module(func) for i, func in enumerate(chunk.funcs)}

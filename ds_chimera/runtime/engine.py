@@ -8,6 +8,7 @@ when they can start.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -24,6 +25,7 @@ from .executor import StepExecutor, _to_device
 from .p2p import P2P
 
 log = logging.getLogger("ds_chimera")
+LAYOUT_FILE = "ds_chimera_layout.json"
 
 
 class ScheduledPipelineEngine(PipelineEngine):
@@ -71,8 +73,9 @@ class ScheduledPipelineEngine(PipelineEngine):
 
     # ---- topology and groups -------------------------------------------------------------
     def _global_rank_of(self, pipe_rank: int, dp_id=None) -> int:
+        # stage_to_global keeps this rank's other coordinates (e.g. a model axis of size 1)
         return self.grid.stage_to_global(pipe_rank) if dp_id is None else \
-            self.grid._topo.get_rank(pipe=pipe_rank, data=dp_id)
+            self.grid.stage_to_global(pipe_rank, data=dp_id)
 
     def _tied_keys_of(self, chunk) -> list:
         specs = self.module._layer_specs
@@ -306,6 +309,15 @@ class ScheduledPipelineEngine(PipelineEngine):
             self.data_iterator = saved
             self.module.train()
 
+    def set_train_batch_size(self, train_batch_size):
+        raise ValueError("ds_chimera schedules are built for a fixed number of micro-batches "
+                         f"({self.micro_batches}); changing the batch size needs a new engine")
+
+    def reset_activation_shape(self):
+        super().reset_activation_shape()
+        self.p2p.sent_meta.clear()
+        self.p2p.recv_meta.clear()
+
     def _write_trace(self) -> None:
         from ..sim.trace import trace_events, write_json_atomic
         os.makedirs(self.plan.trace_dir, exist_ok=True)
@@ -322,6 +334,11 @@ class ScheduledPipelineEngine(PipelineEngine):
             out.update({idx: (chunk.stage, obj) for idx, obj in layer_objects(chunk).items()})
         return out
 
+    def _layer_file(self, path: str, idx: int) -> str:
+        """DeepSpeed's name for a layer file: layer_XX[-<rank repr>]-model_states.pt."""
+        repr_ = self.grid._topo.get_rank_repr(rank=self.global_rank)
+        return os.path.join(path, f"layer_{idx:02d}{'-' + repr_ if repr_ else ''}-model_states.pt")
+
     def module_state_dict(self, exclude_frozen_parameters=False):
         """Write one file per global layer index, once per stage even where it is replicated."""
         path = self._curr_ckpt_path
@@ -335,7 +352,7 @@ class ScheduledPipelineEngine(PipelineEngine):
             if exclude_frozen_parameters:
                 frozen = {n for n, p in obj.named_parameters() if not p.requires_grad}
                 state = {k: v for k, v in state.items() if k not in frozen}
-            final = os.path.join(path, f"layer_{idx:02d}-model_states.pt")
+            final = self._layer_file(path, idx)
             tmp = f"{final}.tmp{os.getpid()}"
             torch.save(state, tmp)
             os.replace(tmp, final)
@@ -347,10 +364,41 @@ class ScheduledPipelineEngine(PipelineEngine):
         for idx, (_, obj) in sorted(self._layer_objects().items()):
             if not hasattr(obj, "load_state_dict"):
                 continue
-            file = os.path.join(path, f"layer_{idx:02d}-model_states.pt")
+            file = self._layer_file(path, idx)
             if not os.path.exists(file):
                 raise FileNotFoundError(f"checkpoint {path} has no weights for layer {idx} ({file})")
             obj.load_state_dict(torch.load(file, map_location=self.device, weights_only=False), strict=strict)
+
+    def _layout(self) -> dict:
+        """What decides which parameters (and so which optimizer state) each rank holds."""
+        return {"schedule": self.schedule.name, "stages": self.num_stages, "data_parallel": self.dp_size,
+                "parts": [int(p) for p in self.plan.parts],
+                "stage_ranks": [[int(r) for r in ranks] for ranks in self.placement.stage_ranks]}
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None, **kwargs):
+        """DeepSpeed's load, refusing optimizer state saved under another layout (it would be misread)."""
+        if tag is None and os.path.exists(os.path.join(load_dir, "latest")):
+            with open(os.path.join(load_dir, "latest")) as fh:
+                tag = fh.read().strip()
+        layout_path = os.path.join(load_dir, str(tag), LAYOUT_FILE) if tag is not None else ""
+        if load_optimizer_states and not load_module_only:
+            saved = None
+            if os.path.exists(layout_path):
+                with open(layout_path) as fh:
+                    saved = json.load(fh)
+            if saved != self._layout():
+                raise ValueError(f"checkpoint {load_dir}/{tag} was written under {saved or 'another engine'}, "
+                                 f"this engine is {self._layout()}: its optimizer state does not map onto these "
+                                 f"chunks. Load the weights only: load_checkpoint(..., load_optimizer_states=False, "
+                                 f"load_lr_scheduler_states=False)")
+        result = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
+                                         load_optimizer_states=load_optimizer_states,
+                                         load_lr_scheduler_states=load_lr_scheduler_states,
+                                         load_module_only=load_module_only, custom_load_fn=custom_load_fn, **kwargs)
+        if self.using_bf16_optimizer:
+            self.optimizer.clip_grad = 0.0     # a loaded state restores DeepSpeed's partial-norm clipping
+        return result
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
                         exclude_frozen_parameters=False):
@@ -370,6 +418,8 @@ class ScheduledPipelineEngine(PipelineEngine):
         dist.barrier()
         if self.global_rank == 0:
             final, staged = os.path.join(save_dir, tag), os.path.join(save_dir, tmp_tag)
+            with open(os.path.join(staged, LAYOUT_FILE), "w") as fh:
+                json.dump(self._layout(), fh)
             if os.path.isdir(final):
                 old = f"{final}.old"
                 shutil.rmtree(old, ignore_errors=True)

@@ -68,7 +68,8 @@ class StepExecutor:
                         inputs[(c, mb)] = list(_as_tuple(x))
                     else:
                         if placement.rank_of(prev) == ctx.pipe_rank:
-                            src = _as_tuple(outputs[(prev, mb)])
+                            # training keeps the producer's output for its backward; eval frees it
+                            src = _as_tuple(outputs[(prev, mb)] if train else outputs.pop((prev, mb)))
                         else:
                             src = received.pop(("act", prev, c, mb))
                         inputs[(c, mb)] = _as_leaf(src, train)
@@ -101,6 +102,7 @@ class StepExecutor:
                                                f"but {len(grads)} gradients arrived")
                     leaves = [t for t in inputs.pop((c, mb), []) if t.requires_grad]
                     if kind == BACKWARD:
+                        blocks.pop((c, mb), None)
                         torch.autograd.backward(tensors, grad_tensors=grads)
                     else:
                         deferred[(c, mb)] = self._input_grad(tensors, grads, leaves, blocks.pop((c, mb)))
@@ -116,7 +118,11 @@ class StepExecutor:
                     self.records.append((ctx.pipe_rank, kind, c, mb, start - t0, time.perf_counter() - t0))
             elif type(op) is CommBatch:
                 for msg in op.sends:
-                    payload = outputs[(msg.src, msg.mb)] if msg.kind == "act" else input_grads.pop((msg.src, msg.mb))
+                    if msg.kind == "act":
+                        key = (msg.src, msg.mb)
+                        payload = outputs[key] if train else outputs.pop(key)
+                    else:
+                        payload = input_grads.pop((msg.src, msg.mb))
                     ctx.p2p.send(msg, placement.rank_of(msg.dst), payload)
                 for msg in op.recvs:
                     what = (f"{'activation' if msg.kind == 'act' else 'gradient'} of micro-batch {msg.mb} "

@@ -87,7 +87,13 @@ class P2P:
     def _edge(msg):
         return (msg.kind, msg.src, msg.dst)
 
+    def _prune(self) -> None:
+        """Forget sends that have completed, so their tensors can be freed during the step."""
+        self.pending_sends = [entry for entry in self.pending_sends
+                              if not all(work.is_completed() for work in entry[0])]
+
     def send(self, msg, dst_rank: int, tensors) -> None:
+        self._prune()
         tensors = [t.detach().contiguous() for t in _as_tuple(tensors)]
         peer, group = self.to_global(dst_rank), self._group(msg)
         works, header = [], None

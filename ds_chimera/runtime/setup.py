@@ -30,6 +30,12 @@ def prepare_module(module, config: dict, model_parameters):
             return list(module.parts)          # the user's own cut, whatever method made it
         return partition(module, num_parts, method or _infer_method(module, num_stages))
 
+    fp16 = config.get("fp16") or {}
+    autocast = config.get("torch_autocast") or {}
+    if fp16.get("enabled") or (autocast.get("enabled") and "16" in str(autocast.get("dtype", "")) and
+                               "bfloat" not in str(autocast.get("dtype", ""))):
+        raise ValueError("fp16 training (loss scaling) is not supported by ds_chimera schedules yet; "
+                         "use bf16 (\"bf16\": {\"enabled\": true}) or fp32")
     zero = (config.get("zero_optimization") or {}).get("stage", 0)
     if zero >= 2:
         raise ValueError(f"ZeRO stage {zero} does not compose with pipeline schedules; use stage 0 or 1")
@@ -48,8 +54,11 @@ def prepare_module(module, config: dict, model_parameters):
         bf16["immediate_grad_update"] = True
     device = get_accelerator().device_name(module.local_rank)
     checkpoint_func = _checkpoint_function(module, plan)
+    interval = (config.get("pipeline") or {}).get("activation_checkpoint_interval",
+                                                  module.activation_checkpoint_interval)
+    module.activation_checkpoint_interval = interval
     chunks, tied = build_chunks(module, plan.placement, grid.get_stage_id(), plan.parts, device,
-                                module.activation_checkpoint_interval, checkpoint_func)
+                                interval, checkpoint_func)
     # Drop the stage DeepSpeed built; keep the module object (its grid, loss_fn, specs).
     for name in list(module._modules):
         if name.isdigit() or name == "tied_modules":     # the stock stage's layers, not loss_fn etc.

@@ -133,6 +133,12 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
     ends = {FORWARD: f_end, BACKWARD: b_end, INPUT_GRAD: i_end, WEIGHT_GRAD: w_end, STEP: s_end}
     got_act, got_grad = bytearray(nch * num_mbs), bytearray(nch * num_mbs)   # received by the consumer
     messages: dict = {}                 # Message -> arrival time
+    edge_sent: dict = {}                # (kind, src, dst) -> micro-batches in send order
+    edge_recv: dict = {}                # ... in receive order: NCCL matches them by order
+    routed = [placement.micro_batches_of(c.replica) for c in placement.chunks]
+    stage_chunks_on = [{} for _ in range(num_ranks)]
+    for c in placement.chunks:
+        stage_chunks_on[c.rank].setdefault(c.stage, []).append(c.index)
     msg_waiter: dict = {}
     sync_posts: dict = {}               # (stage, k) -> {rank: time}
     sync_groups: dict = {}              # (stage, k) -> ranks
@@ -246,6 +252,7 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                         if m in messages:
                             error(f"rank {r}: sends {m} twice")
                         messages[m] = t + costs.comm
+                        edge_sent.setdefault((mkind, src, dst), []).append(mb)
                         waiter = msg_waiter.pop(m, None)
                         if waiter is not None:
                             wake(waiter)
@@ -260,6 +267,7 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                 for m in op.recvs:
                     if chunk_rank[m.dst] != r:
                         error(f"rank {r}: receives {m} but chunk {m.dst} lives on rank {chunk_rank[m.dst]}")
+                    edge_recv.setdefault((m.kind, m.src, m.dst), []).append(m.mb)
                     flags = got_act if m.kind == "act" else got_grad
                     ridx = m.dst * num_mbs + m.mb
                     if flags[ridx]:
@@ -268,6 +276,13 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                     if messages[m] > t:
                         t = messages[m]
             elif type(op) is GradSync:
+                for c in stage_chunks_on[r].get(op.stage, ()):
+                    for mb in routed[c]:
+                        idx = c * num_mbs + mb
+                        if b_end[idx] is None and w_end[idx] is None:
+                            error(f"rank {r}: posts the gradient sync of stage {op.stage} before the backward "
+                                  f"of micro-batch {mb} on chunk {c}")
+                            break
                 times = posted[r].setdefault(op.stage, [])
                 skey = (op.stage, len(times))
                 times.append(t)
@@ -310,6 +325,15 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
             deadlock[r] = _describe_wait(program, r, pc[r], messages, sync_posts, sync_groups, posted)
     if not deadlock:
         _check_complete(placement, ends, num_mbs, error)
+        for edge, order in edge_sent.items():
+            if edge_recv.get(edge, []) != order:
+                error(f"messages {edge[0]} {edge[1]}->{edge[2]} are received in another order than sent "
+                      f"({edge_recv.get(edge, [])[:6]} vs {order[:6]}); NCCL would pair them wrongly")
+        if program.synchronous:
+            for r in range(num_ranks):
+                for stage in stage_chunks_on[r]:
+                    if len(placement.stage_group(stage)) > 1 and not posted[r].get(stage):
+                        error(f"rank {r} never posts the gradient sync of replicated stage {stage}")
         for (group, r), stages in group_orders.items():
             for other in group:
                 if group_orders.get((group, other), []) != stages:

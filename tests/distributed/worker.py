@@ -217,6 +217,22 @@ def bad_config(kind):
             cfg = config("1f1b", 8, 1)
             cfg["zero_optimization"] = {"stage": 1}
             make_engine(4, cfg, mlp_specs(16, tied=True))
+        elif kind == "fp16":
+            cfg = config("1f1b", 8, 1)
+            cfg["fp16"] = {"enabled": True}
+            make_engine(4, cfg, specs)
+        elif kind == "load-other-schedule":
+            holder = [tempfile.mkdtemp(prefix="dsc_ckpt_") if tdist.get_rank() == 0 else None]
+            tdist.broadcast_object_list(holder, src=0)
+            a = make_engine(4, config("chimera", 8, 1), specs)
+            a.save_checkpoint(holder[0], tag="t")
+            b = make_engine(4, config("1f1b", 8, 1), specs)
+            try:
+                b.load_checkpoint(holder[0])
+            finally:
+                tdist.barrier()
+                if tdist.get_rank() == 0:
+                    shutil.rmtree(holder[0], ignore_errors=True)
         elif kind == "zero2":
             cfg = config("breadth-first", 8, 1)
             cfg["zero_optimization"] = {"stage": 2}
@@ -275,7 +291,8 @@ for key, opts in {"1f1b": {}, "gpipe": {}, "interleaved": {"chunks": 2}, "breadt
                   "zb-h1": {}, "zbv": {}}.items():
     SCENARIOS[f"equiv-1x1-{key}"] = (lambda key=key, opts=opts: train_and_compare(key, 1, 1, 4, **opts))
     SCENARIOS[f"bf16-1x1-{key}"] = (lambda key=key, opts=opts: train_and_compare(key, 1, 1, 4, bf16=True, **opts))
-for kind in ("unknown", "pipelines", "interleaved-n", "option", "zero1-chimera", "zero1-tied", "zero2"):
+for kind in ("unknown", "pipelines", "interleaved-n", "option", "zero1-chimera", "zero1-tied", "zero2", "fp16",
+             "load-other-schedule"):
     SCENARIOS[f"bad-{kind}"] = (lambda kind=kind: bad_config(kind))
 
 
