@@ -149,6 +149,20 @@ class StepExecutor:
         Returns the deferred W work: (block outputs, their gradients, block params) per
         block, so W differentiates each block locally instead of re-running this pass.
         """
+        seen, shared = set(), False
+        for _, params in blocks:
+            ids = {id(p) for p in params}
+            shared |= bool(seen & ids)
+            seen |= ids
+        if shared:
+            # A parameter used by two blocks (a tie inside the chunk): per-block W would count the
+            # earlier use twice, so W differentiates the whole chunk once instead.
+            if leaves:
+                got = torch.autograd.grad(tensors, leaves, grad_outputs=grads, retain_graph=True, allow_unused=True)
+                for leaf, g in zip(leaves, got):
+                    leaf.grad = g if g is not None else torch.zeros_like(leaf)
+            params = list({id(p): p for _, ps in blocks for p in ps}.values())
+            return [(tensors, grads, params)]
         outs = [[t for t in _as_tuple(out) if isinstance(t, torch.Tensor) and t.requires_grad]
                 for out, _ in blocks]
         flat = [t for group in outs for t in group]

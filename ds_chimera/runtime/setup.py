@@ -23,7 +23,7 @@ def prepare_module(module, config: dict, model_parameters):
                          f"{grid.get_slice_parallel_world_size()}")
     num_stages = grid.pipe_parallel_size
     dp = grid.data_parallel_size
-    old_params = {id(p) for p in module.parameters()}
+    old_params = {id(p): p.requires_grad for p in module.parameters()}   # the stock stage's, about to go
 
     def parts_fn(num_parts, method):
         if method is None and num_parts == num_stages:
@@ -125,13 +125,17 @@ def _infer_method(module, num_stages: int) -> str:
     return "parameters"
 
 
-def _remap_parameters(module, model_parameters, old_params: set):
+def _remap_parameters(module, model_parameters, old_params: dict):
     if model_parameters is None:
         return None
     given = list(model_parameters)
-    if given and all(isinstance(p, torch.Tensor) for p in given):
-        if all(id(p) in old_params for p in given):
+    if given and all(isinstance(p, torch.Tensor) for p in given) and all(id(p) in old_params for p in given):
+        trainable = {pid for pid, requires_grad in old_params.items() if requires_grad}
+        if {id(p) for p in given} >= trainable:
             return [p for p in module.parameters() if p.requires_grad]
+        raise ValueError("model_parameters is a subset of the PipelineModule's parameters; ds_chimera rebuilds "
+                         "the stages and cannot tell which rebuilt parameters it means: freeze the others with "
+                         "requires_grad=False in the layers instead")
     if not given:
         return [p for p in module.parameters() if p.requires_grad]
     raise ValueError("ds_chimera rebuilds the pipeline stages a schedule needs, so model_parameters must be "
