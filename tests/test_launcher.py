@@ -6,6 +6,13 @@ import sys
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed", "unchanged_script.py")
 
 
+def free_port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def run(*args):
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "ds_chimera.cli", *args], capture_output=True, text=True,
@@ -13,7 +20,7 @@ def run(*args):
 
 
 def test_launch_enables_the_schedule_without_code_changes():
-    proc = run("launch", "--torchrun", "--nproc_per_node", "2", "--master_port", "29731", SCRIPT, "chimera")
+    proc = run("launch", "--torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), SCRIPT, "chimera")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("ENGINE=ScheduledPipelineEngine") == 2
 
@@ -21,7 +28,7 @@ def test_launch_enables_the_schedule_without_code_changes():
 def test_without_the_launcher_deepspeed_is_untouched():
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", "29733", SCRIPT, "chimera"], capture_output=True, text=True,
+                           "--master_port", str(free_port()), SCRIPT, "chimera"], capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("ENGINE=PipelineEngine") == 2
