@@ -1,19 +1,14 @@
 """A dead rank makes every other rank exit with a clear error within a bounded time."""
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from netutil import free_port
+
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed", "dead_rank.py")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("schedule", ["chimera", "zbv"])

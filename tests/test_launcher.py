@@ -3,14 +3,9 @@ import os
 import subprocess
 import sys
 
+from netutil import free_port
+
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed", "unchanged_script.py")
-
-
-def free_port():
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run(*args):

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from netutil import free_port
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "distributed", "worker.py")
 sys.path.insert(0, os.path.join(HERE, "distributed"))
@@ -24,13 +26,6 @@ OTHER = ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv", "actckpt-4x1-chime
          "zero1-2x2-zbv-tied", "lm-chimera", "lm-zbv", "bad-zero1-chimera", "bad-zero1-tied", "bad-zero2",
          "bad-fp16", "bad-load-other-schedule", "bad-unknown",
          "bad-pipelines", "bad-interleaved-n", "bad-option"]
-
-
-def free_port():
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def torchrun(args, timeout=900, extra_env=None):
