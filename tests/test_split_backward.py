@@ -26,10 +26,7 @@ def split(layers, x):
     return grad_x, [p.grad.clone() for layer in layers for p in layer.parameters()]
 
 
-def test_split_equals_fused_for_separate_layers():
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
-    x = torch.randn(5, 4)
+def assert_split_matches_fused(layers, x):
     gx_f, gw_f = fused(layers, x)
     for layer in layers:
         layer.zero_grad()
@@ -37,17 +34,14 @@ def test_split_equals_fused_for_separate_layers():
     torch.testing.assert_close(gx_s, gx_f)
     for a, b in zip(gw_s, gw_f):
         torch.testing.assert_close(a, b)
+
+
+def test_split_equals_fused_for_separate_layers():
+    torch.manual_seed(0)
+    assert_split_matches_fused([torch.nn.Linear(4, 4) for _ in range(3)], torch.randn(5, 4))
 
 
 def test_split_equals_fused_when_a_layer_is_used_twice_in_a_chunk():
     torch.manual_seed(0)
     shared = torch.nn.Linear(4, 4)
-    layers = [shared, torch.nn.Linear(4, 4), shared]      # a tie inside one chunk
-    x = torch.randn(5, 4)
-    gx_f, gw_f = fused(layers, x)
-    for layer in layers:
-        layer.zero_grad()
-    gx_s, gw_s = split(layers, x)
-    torch.testing.assert_close(gx_s, gx_f)
-    for a, b in zip(gw_s, gw_f):
-        torch.testing.assert_close(a, b)
+    assert_split_matches_fused([shared, torch.nn.Linear(4, 4), shared], torch.randn(5, 4))   # a tie in one chunk
