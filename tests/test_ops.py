@@ -157,10 +157,9 @@ def test_third_party_kernel_backend_through_entry_points(tmp_path):
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mykernels\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text("[ds_chimera.kernels]\ndoubled = mykernels:Doubled\n")
-    code = ("import torch; from ds_chimera.ops import lightconv, lightconv_unfold_check; ") if False else (
-        "import torch\nfrom ds_chimera.ops import lightconv\nfrom ds_chimera.ops.reference import lightconv_unfold\n"
-        "x, w = torch.randn(1, 4, 6), torch.randn(2, 3)\n"
-        "print(torch.allclose(lightconv(x, w, 1, 'doubled'), 2 * lightconv_unfold(x, w, 1)))\n")
+    code = ("import torch\nfrom ds_chimera.ops import lightconv\nfrom ds_chimera.ops.reference import lightconv_unfold\n"
+            "x, w = torch.randn(1, 4, 6), torch.randn(2, 3)\n"
+            "print(torch.allclose(lightconv(x, w, 1, 'doubled'), 2 * lightconv_unfold(x, w, 1)))\n")
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.getcwd()}")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "True", out.stderr[-2000:]
