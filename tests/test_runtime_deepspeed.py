@@ -23,7 +23,7 @@ OTHER = ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv", "actckpt-4x1-chime
          "actckpt-4x1-interleaved", "ckpt-resume-chimera", "ckpt-resume-2x2-zbv", "ckpt-cross-chimera-to-1f1b",
          "ckpt-cross-chimera-to-stock", "ckpt-cross-zbv-to-interleaved", "stock-clipping", "bf16-4x1-chimera",
          "bf16-2x2-zbv", "bf16-4x1-stock", "bf16-4x1-1f1b-noclip", "zero1-2x2-breadth-first", "zero1-2x2-zbv",
-         "zero1-2x2-zbv-tied", "lm-chimera", "lm-zbv", "bad-zero1-chimera", "bad-zero1-tied", "bad-zero2",
+         "zero1-2x2-zbv-tied", "lm-chimera", "lm-zbv", "trace-chimera", "trace-zbv", "bad-zero1-chimera", "bad-zero1-tied", "bad-zero2",
          "bad-fp16", "bad-load-other-schedule", "bad-unknown",
          "bad-pipelines", "bad-interleaved-n", "bad-option"]
 
@@ -124,3 +124,12 @@ def test_dynamicconv_lm_trains_under_pipeline_schedules(results, scenario):
     losses = results[scenario]["losses"]
     assert losses[0] > 3.0                                  # about log(32) at the start
     assert sum(losses[-3:]) / 3 < 0.6 * losses[0], losses
+
+
+@pytest.mark.parametrize("scenario,kinds", [("trace-chimera", {"F": 8, "B": 8}),
+                                            ("trace-zbv", {"F": 16, "I": 16, "W": 16})])
+def test_per_step_trace_of_what_each_rank_ran(results, scenario, kinds):
+    files = results[scenario]["files"]
+    assert sorted(files) == [f"step000001-rank{r:03d}.json" for r in range(4)]
+    for names in files.values():     # N=8 micro-batches through this rank's chunks, each kind once
+        assert {k: names.count(k) for k in set(names)} == kinds

@@ -257,6 +257,24 @@ def lm_training(schedule, steps=25, **options):
     return {"losses": [engine.train_batch(data).item() for _ in range(steps)]}
 
 
+def traced_step(schedule, n=8):
+    """One step with trace_dir: every rank writes what it ran, in the simulator's trace format."""
+    holder = [tempfile.mkdtemp(prefix="dsc_trace_") if tdist.get_rank() == 0 else None]
+    tdist.broadcast_object_list(holder, src=0)
+    cfg = config(schedule, n, 1)
+    cfg["pipeline"]["trace_dir"] = holder[0]
+    engine = make_engine(4, cfg, mlp_specs(16))
+    engine.train_batch(iter(make_global_batches(n)(0)))
+    tdist.barrier()
+    out = {}
+    if tdist.get_rank() == 0:
+        for name in sorted(os.listdir(holder[0])):
+            events = json.load(open(os.path.join(holder[0], name)))["traceEvents"]
+            out[name] = sorted(e["name"][0] for e in events if e.get("ph") == "X")
+        shutil.rmtree(holder[0], ignore_errors=True)
+    return {"files": out}
+
+
 SCENARIOS = {}
 SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved": {"chunks": 2}, "breadth-first": {"chunks": 2},
              "chimera": {}, "chimera-fd": {"order": "forward-doubling"}, "chimera-merged": {"order": "merged"},
@@ -277,6 +295,8 @@ SCENARIOS["ckpt-cross-chimera-to-1f1b"] = lambda: checkpoint_resume("chimera", 4
 SCENARIOS["ckpt-cross-chimera-to-stock"] = lambda: checkpoint_resume("chimera", 4, 1, 8, load_schedule="stock")
 SCENARIOS["ckpt-cross-zbv-to-interleaved"] = lambda: checkpoint_resume("zbv", 4, 1, 8, load_schedule="interleaved")
 SCENARIOS["stock-clipping"] = stock_clipping
+SCENARIOS["trace-chimera"] = lambda: traced_step("chimera")
+SCENARIOS["trace-zbv"] = lambda: traced_step("zbv")
 SCENARIOS["lm-chimera"] = lambda: lm_training("chimera")
 SCENARIOS["lm-zbv"] = lambda: lm_training("zbv")
 SCENARIOS["zero1-2x2-breadth-first"] = lambda: train_and_compare("breadth-first", 2, 2, 4, zero=1, chunks=2)
