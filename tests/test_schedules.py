@@ -170,3 +170,18 @@ def test_list_scheduler_makespan_is_the_simulators(d, n):
     placement = vshape_placement(d, n)
     orders, span = list_schedule(placement, [float(d)] * d, with_makespan=True)
     assert span == simulate(lower("zbv", placement, orders), SPLIT).makespan
+
+
+@pytest.mark.parametrize("comm", [0.0, 0.3])
+def test_fast_compute_timing_equals_the_simulator(comm):
+    from ds_chimera.schedules.timing import compute_timing
+    costs = Costs(fwd=1.0, bwd=2.0, wgrad=1.0, comm=comm)
+    checked = 0
+    for name, d, n, v in grid():
+        if d > 6 or n > 3 * d:
+            continue
+        schedule = make(name, d, n, v)
+        fast, _ = compute_timing(schedule.placement, schedule.orders, costs)
+        assert fast == pytest.approx(simulate(schedule.lower(), costs).makespan), (name, d, n, v)
+        checked += 1
+    assert checked > 100

@@ -21,13 +21,70 @@ def merge_by_time(num_ranks: int, timed: list) -> list:
 
 
 def time_orders(placement: Placement, orders: list, costs) -> dict:
-    """Start time of every action of ``orders`` under ``costs`` (comm-free)."""
-    from ..sim.simulator import simulate  # the simulator is the one source of timing
-    from .lowering import lower
-    result = simulate(lower("piece", placement, orders, synchronous=False), costs)
-    if not result.valid:
-        raise RuntimeError(f"internal error: a schedule piece is invalid: {result.errors[:3]} {result.deadlock}")
-    return result.start_times()
+    """Start time of every action of ``orders`` under ``costs``."""
+    return compute_timing(placement, orders, costs, want_starts=True)[1]
+
+
+def compute_timing(placement: Placement, orders: list, costs, want_starts: bool = False):
+    """(makespan, start times) of valid compute orders: the simulator's timing without its checks.
+
+    Used where many candidate orders are compared (Chimera's ``auto``, the pieces of ``merged``):
+    it skips lowering and validation, so it is several times faster. It models per-message
+    latency (``costs.comm``) but not gradient all-reduce time; tests hold it equal to the
+    simulator's makespan. Raises RuntimeError if the orders cannot complete.
+    """
+    size = placement.size
+    nch = len(placement.chunks)
+    prev_of = [placement.prev_chunk(c) for c in range(nch)]
+    next_of = [placement.next_chunk(c) for c in range(nch)]
+    rank_of = [placement.rank_of(c) for c in range(nch)]
+    cost = {k: costs.of(k) * size for k in (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)}
+    comm = costs.comm
+    ready: dict = {}            # ("F" | "G", chunk, mb) -> time the output (act or input grad) exists
+    waiting: dict = {}
+    starts: dict = {}
+    num_ranks = placement.num_ranks
+    pc, clock = [0] * num_ranks, [0.0] * num_ranks
+    work = deque(range(num_ranks))
+    queued = [True] * num_ranks
+    while work:
+        r = work.popleft()
+        queued[r] = False
+        order, i, t = orders[r], pc[r], clock[r]
+        while i < len(order):
+            kind, c, mb = order[i]
+            if kind == FORWARD:
+                dep = prev_of[c]
+                key = None if dep is None else (FORWARD, dep, mb)
+            elif kind in (BACKWARD, INPUT_GRAD):
+                dep = next_of[c]
+                key = None if dep is None else ("G", dep, mb)
+            else:
+                dep = key = None
+            if key is not None:
+                when = ready.get(key)
+                if when is None:
+                    waiting.setdefault(key, []).append(r)
+                    break
+                if rank_of[dep] != r:
+                    when += comm
+                if when > t:
+                    t = when
+            if want_starts:
+                starts[(kind, c, mb)] = t
+            t += cost.get(kind, 0.0)
+            out = (FORWARD, c, mb) if kind == FORWARD else (("G", c, mb) if kind in (BACKWARD, INPUT_GRAD) else None)
+            if out is not None:
+                ready[out] = t
+                for other in waiting.pop(out, ()):
+                    if not queued[other]:
+                        queued[other] = True
+                        work.append(other)
+            i += 1
+        pc[r], clock[r] = i, t
+    if any(pc[r] < len(orders[r]) for r in range(num_ranks)):
+        raise RuntimeError("compute orders cannot complete (a dependency cycle); simulate() says where")
+    return max(clock) if clock else 0.0, starts
 
 
 def list_schedule(placement: Placement, limits: list, cost=(1.0, 1.0, 1.0), prefer_late_chunk=True,
