@@ -24,7 +24,7 @@ OTHER = ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv", "actckpt-4x1-chime
          "ckpt-cross-chimera-to-stock", "ckpt-cross-zbv-to-interleaved", "stock-clipping", "bf16-4x1-chimera",
          "bf16-2x2-zbv", "bf16-4x1-stock", "bf16-4x1-1f1b-noclip", "zero1-2x2-breadth-first", "zero1-2x2-zbv",
          "zero1-2x2-zbv-tied", "lm-chimera", "lm-zbv", "trace-chimera", "trace-zbv", "bad-zero1-chimera", "bad-zero1-tied", "bad-zero2",
-         "bad-fp16", "bad-load-other-schedule", "bad-unknown",
+         "bad-fp16", "bad-load-other-schedule", "bad-batch-split", "bad-unknown",
          "bad-pipelines", "bad-interleaved-n", "bad-option"]
 
 
@@ -103,6 +103,8 @@ def test_global_norm_clipping_where_deepspeed_stock_is_wrong(results):
     ("bad-zero1-tied", "ZeRO stage 1 with weights tied across pipeline ranks (proj) is not supported"),
     ("bad-zero2", "ZeRO stage 2 does not compose with pipeline schedules; use stage 0 or 1"),
     ("bad-fp16", "fp16 training (loss scaling) is not supported by ds_chimera schedules yet"),
+    ("bad-batch-split", "train_batch_size 10 is not divisible by train_micro_batch_size_per_gpu 4 x data-parallel "
+                        "size 1"),
     ("bad-load-other-schedule", "its optimizer state does not map onto these chunks. Load the weights only"),
 ])
 def test_bad_config_fails_at_initialize(results, scenario, message):

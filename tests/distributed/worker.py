@@ -217,6 +217,10 @@ def bad_config(kind):
             cfg = config("1f1b", 8, 1)
             cfg["zero_optimization"] = {"stage": 1}
             make_engine(4, cfg, mlp_specs(16, tied=True))
+        elif kind == "batch-split":
+            cfg = config("chimera", 8, 1)
+            cfg.update(train_batch_size=10, train_micro_batch_size_per_gpu=4)
+            make_engine(4, cfg, specs)
         elif kind == "fp16":
             cfg = config("1f1b", 8, 1)
             cfg["fp16"] = {"enabled": True}
@@ -311,7 +315,7 @@ for key, opts in {"1f1b": {}, "gpipe": {}, "interleaved": {"chunks": 2}, "breadt
                   "zb-h1": {}, "zbv": {}}.items():
     SCENARIOS[f"equiv-1x1-{key}"] = (lambda key=key, opts=opts: train_and_compare(key, 1, 1, 4, **opts))
     SCENARIOS[f"bf16-1x1-{key}"] = (lambda key=key, opts=opts: train_and_compare(key, 1, 1, 4, bf16=True, **opts))
-for kind in ("unknown", "pipelines", "interleaved-n", "option", "zero1-chimera", "zero1-tied", "zero2", "fp16",
+for kind in ("unknown", "pipelines", "interleaved-n", "option", "zero1-chimera", "zero1-tied", "zero2", "fp16", "batch-split",
              "load-other-schedule"):
     SCENARIOS[f"bad-{kind}"] = (lambda kind=kind: bad_config(kind))
 
