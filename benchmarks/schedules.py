@@ -132,6 +132,8 @@ def worker(args):
     if rank == 0:
         with open(args.out, "w") as fh:
             json.dump(rows, fh)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def calibrate(torch, layer_cls, layer_s, layers_per_rank, width, repeats=15):

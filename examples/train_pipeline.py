@@ -69,6 +69,8 @@ def main():
     torch.distributed.barrier()
     if rank == 0 and hasattr(engine, "schedule"):
         plot_last_step(engine, trace_dir, args.out)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def plot_last_step(engine, trace_dir, out_dir):

@@ -14,3 +14,5 @@ cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "steps_per_pr
 engine, _, _, _ = deepspeed.initialize(model=net, config=cfg, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
 loss = engine.train_batch(iter([(torch.randn(1, 4), torch.randn(1, 4)) for _ in range(4)]))
 print(f"ENGINE={type(engine).__name__} LOSS={loss.item():.4f}", flush=True)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()   # a clean exit: no gloo teardown race

@@ -334,6 +334,8 @@ def main():
         with open(out_path + ".tmp", "w") as fh:
             json.dump(results, fh, indent=1)
         os.replace(out_path + ".tmp", out_path)
+    tdist.barrier()
+    tdist.destroy_process_group()
 
 
 if __name__ == "__main__":
