@@ -33,39 +33,14 @@ class Program:
         return [op for op in self.ops[rank] if isinstance(op, Action)]
 
 
-def _links(placement: Placement) -> list:
-    """Per chunk: (producer of its input on another rank or None, consumer on another rank or None)."""
-    cached = getattr(placement, "_cross_rank_links", None)
-    if cached is None:
-        cached = []
-        for c in placement.chunks:
-            prev, nxt = placement.prev_chunk(c.index), placement.next_chunk(c.index)
-            cached.append((prev if prev is not None and placement.rank_of(prev) != c.rank else None,
-                           nxt if nxt is not None and placement.rank_of(nxt) != c.rank else None))
-        placement._cross_rank_links = cached
-    return cached
-
-
-def messages_needed(placement: Placement, action: Action) -> tuple:
-    """Messages ``action`` must receive from other ranks before it can run."""
-    kind, chunk, mb = action
-    prev, nxt = _links(placement)[chunk]
-    if kind == FORWARD and prev is not None:
-        return (Message("act", prev, chunk, mb),)
-    if kind in BACKWARD_KINDS and nxt is not None:
-        return (Message("grad", nxt, chunk, mb),)
-    return ()
-
-
-def messages_produced(placement: Placement, action: Action) -> tuple:
-    """Messages ``action`` sends to other ranks once it has run."""
-    kind, chunk, mb = action
-    prev, nxt = _links(placement)[chunk]
-    if kind == FORWARD and nxt is not None:
-        return (Message("act", chunk, nxt, mb),)
-    if kind in BACKWARD_KINDS and prev is not None:
-        return (Message("grad", chunk, prev, mb),)
-    return ()
+def _cross_rank_links(placement: Placement) -> list:
+    """Per chunk: (its producer if on another rank, else None; its consumer if on another rank, else None)."""
+    links = []
+    for c in placement.chunks:
+        prev, nxt = placement.prev_chunk(c.index), placement.next_chunk(c.index)
+        links.append((prev if prev is not None and placement.rank_of(prev) != c.rank else None,
+                      nxt if nxt is not None and placement.rank_of(nxt) != c.rank else None))
+    return links
 
 
 def _last_grad_index(placement: Placement, order: list) -> dict:
@@ -92,11 +67,12 @@ def gc_paused():
 def lower(name: str, placement: Placement, orders: list, synchronous: bool = True) -> Program:
     """Add communication, gradient syncs and optimizer steps to per-rank compute orders."""
     with gc_paused():
-        ops = [_lower_rank(placement, rank, order, synchronous) for rank, order in enumerate(orders)]
+        links = _cross_rank_links(placement)
+        ops = [_lower_rank(placement, links, rank, order, synchronous) for rank, order in enumerate(orders)]
     return Program(name, placement, ops, synchronous)
 
 
-def _lower_rank(placement: Placement, rank: int, order: list, synchronous: bool) -> list:
+def _lower_rank(placement: Placement, links: list, rank: int, order: list, synchronous: bool) -> list:
     ops: list = []
     pending_sends: tuple = ()
     ready_at = {}
@@ -126,12 +102,11 @@ def _lower_rank(placement: Placement, rank: int, order: list, synchronous: bool)
         ready.update(ready_at[-1])
         post_ready_syncs()
 
-    links = _links(placement)
     append = ops.append
     for i, action in enumerate(order):
         kind, chunk, mb = action
         prev, nxt = links[chunk]
-        # inlined messages_needed / messages_produced: this loop runs once per action
+        # what this action receives from and sends to other ranks (inline: this runs once per action)
         if kind == FORWARD:
             recvs = () if prev is None else (Message("act", prev, chunk, mb),)
             sends = () if nxt is None else (Message("act", chunk, nxt, mb),)
