@@ -115,7 +115,7 @@ def _block_t(time: int) -> int:
     return max(16, min(1024, triton.next_power_of_2(time)))
 
 
-def lightconv_forward(x, w, padding_l):
+def _tap_lightconv_forward(x, w, padding_l):
     x, w = x.contiguous(), w.contiguous()
     batch, channels, time = x.shape
     heads, kernel = w.shape
@@ -131,7 +131,7 @@ def lightconv_backward_input(grad, w, padding_l):
     return lightconv_forward(grad, w.flip(-1), w.shape[1] - 1 - padding_l)
 
 
-def lightconv_backward_weight(grad, x, padding_l, heads, kernel):
+def _tap_lightconv_backward_weight(grad, x, padding_l, heads, kernel):
     grad, x = grad.contiguous(), x.contiguous()
     batch, channels, time = x.shape
     block = min(_block_t(time), 256)
@@ -144,7 +144,7 @@ def lightconv_backward_weight(grad, x, padding_l, heads, kernel):
     return gw.to(x.dtype)
 
 
-def dynamicconv_forward(x, w, padding_l):
+def _tap_dynamicconv_forward(x, w, padding_l):
     x, w = x.contiguous(), w.contiguous()
     batch, channels, time = x.shape
     heads, kernel = w.shape[1], w.shape[2]
@@ -155,7 +155,7 @@ def dynamicconv_forward(x, w, padding_l):
     return y
 
 
-def dynamicconv_backward_input(grad, w, padding_l):
+def _tap_dynamicconv_backward_input(grad, w, padding_l):
     grad, w = grad.contiguous(), w.contiguous()
     batch, channels, time = grad.shape
     heads, kernel = w.shape[1], w.shape[2]
@@ -167,7 +167,7 @@ def dynamicconv_backward_input(grad, w, padding_l):
     return gx
 
 
-def dynamicconv_backward_weight(grad, x, padding_l, heads, kernel):
+def _tap_dynamicconv_backward_weight(grad, x, padding_l, heads, kernel):
     grad, x = grad.contiguous(), x.contiguous()
     batch, channels, time = x.shape
     kp = triton.next_power_of_2(kernel)
@@ -239,40 +239,6 @@ def _band_dyn_bwd_input(gy_ptr, w_ptr, gx_ptr, C, T, K, P, CPH, H, BG: tl.conste
 
 
 @triton.jit
-def _band_wgrad(gy_ptr, x_ptr, out_ptr, C, T, K, P, CPH, H, n_t, DYNAMIC: tl.constexpr, BG: tl.constexpr,
-                BT: tl.constexpr, BTK: tl.constexpr, PREC: tl.constexpr):
-    """corr[i, j] = sum_g X[g, i] GY[g, j] over the head's channels; tap k is the diagonal i - j = k.
-
-    DYNAMIC: gw[b, h, k, t0+j] = corr[j + k, j]. Otherwise a partial sum_j corr[j + k, j] per tile.
-    """
-    bh = tl.program_id(0)
-    tb = tl.program_id(1)
-    t0 = tb * BT
-    b = bh // H
-    h = bh % H
-    i = tl.arange(0, BTK)
-    j = tl.arange(0, BT)
-    s = t0 - P + i
-    xcols = (i < BT + K - 1) & (s >= 0) & (s < T)
-    corr = tl.zeros([BTK, BT], dtype=tl.float32)
-    for g0 in range(0, CPH, BG):
-        g = g0 + tl.arange(0, BG)
-        rows = (b * C + h * CPH + g).to(tl.int64) * T
-        X = tl.load(x_ptr + rows[:, None] + s[None, :], mask=(g[:, None] < CPH) & xcols[None, :], other=0.0)
-        GY = tl.load(gy_ptr + rows[:, None] + (t0 + j)[None, :],
-                     mask=(g[:, None] < CPH) & (t0 + j[None, :] < T), other=0.0)
-        corr += tl.dot(tl.trans(X), GY.to(X.dtype), input_precision=PREC)
-    diff = i[:, None] - j[None, :]
-    for k in range(0, K):
-        on_k = tl.sum(tl.where(diff == k, corr, 0.0), axis=0)           # [BT]: corr[j + k, j]
-        if DYNAMIC:
-            tl.store(out_ptr + bh.to(tl.int64) * K * T + k * T + t0 + j, on_k.to(out_ptr.dtype.element_ty),
-                     mask=t0 + j < T)
-        else:
-            tl.store(out_ptr + (bh.to(tl.int64) * n_t + tb) * K + k, tl.sum(on_k, axis=0))
-
-
-@triton.jit
 def _band_wgrad_shear(gy_ptr, x_ptr, out_ptr, scratch_ptr, C, T, K, P, CPH, H, n_t, n_tiles,
                       DYNAMIC: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr, BTK: tl.constexpr,
                       KP: tl.constexpr, PREC: tl.constexpr):
@@ -339,10 +305,6 @@ def _use_band(x, kernel):
     return x.dtype in (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _use_band_wgrad(x, kernel):
-    return _use_band(x, kernel)
-
-
 def _band_forward(x, w, padding_l, dynamic):
     batch, channels, time = x.shape
     heads, kernel = (w.shape[1], w.shape[2]) if dynamic else w.shape
@@ -378,35 +340,28 @@ def _band_weight_grad(grad, x, padding_l, heads, kernel, dynamic):
     return out.view(batch, heads, n_t, kernel).sum(dim=(0, 2)).to(x.dtype)
 
 
-_tap_lightconv_forward = lightconv_forward
-_tap_lightconv_backward_weight = lightconv_backward_weight
-_tap_dynamicconv_forward = dynamicconv_forward
-_tap_dynamicconv_backward_input = dynamicconv_backward_input
-_tap_dynamicconv_backward_weight = dynamicconv_backward_weight
-
-
-def lightconv_forward(x, w, padding_l):  # noqa: F811  (band version for mid-size K, tap loop otherwise)
+def lightconv_forward(x, w, padding_l):
     x, w = x.contiguous(), w.contiguous()
     if _use_band(x, w.shape[1]):
         return _band_forward(x, w, padding_l, dynamic=False)
     return _tap_lightconv_forward(x, w, padding_l)
 
 
-def lightconv_backward_weight(grad, x, padding_l, heads, kernel):  # noqa: F811
+def lightconv_backward_weight(grad, x, padding_l, heads, kernel):
     grad, x = grad.contiguous(), x.contiguous()
-    if _use_band_wgrad(x, kernel):
+    if _use_band(x, kernel):
         return _band_weight_grad(grad, x, padding_l, heads, kernel, dynamic=False)
     return _tap_lightconv_backward_weight(grad, x, padding_l, heads, kernel)
 
 
-def dynamicconv_forward(x, w, padding_l):  # noqa: F811
+def dynamicconv_forward(x, w, padding_l):
     x, w = x.contiguous(), w.contiguous()
     if _use_band(x, w.shape[2]):
         return _band_forward(x, w, padding_l, dynamic=True)
     return _tap_dynamicconv_forward(x, w, padding_l)
 
 
-def dynamicconv_backward_input(grad, w, padding_l):  # noqa: F811
+def dynamicconv_backward_input(grad, w, padding_l):
     grad, w = grad.contiguous(), w.contiguous()
     if not _use_band(grad, w.shape[2]):
         return _tap_dynamicconv_backward_input(grad, w, padding_l)
@@ -421,8 +376,8 @@ def dynamicconv_backward_input(grad, w, padding_l):  # noqa: F811
     return gx
 
 
-def dynamicconv_backward_weight(grad, x, padding_l, heads, kernel):  # noqa: F811
+def dynamicconv_backward_weight(grad, x, padding_l, heads, kernel):
     grad, x = grad.contiguous(), x.contiguous()
-    if _use_band_wgrad(x, kernel):
+    if _use_band(x, kernel):
         return _band_weight_grad(grad, x, padding_l, heads, kernel, dynamic=True)
     return _tap_dynamicconv_backward_weight(grad, x, padding_l, heads, kernel)
