@@ -9,14 +9,17 @@ from .schedules import registry
 from .sim.simulator import Costs, simulate
 
 
-def _schedule_options(cls, args, costs: Costs) -> dict:
-    """CLI flags that this schedule takes; a flag it does not take is an error unless defaulted."""
+def _schedule_options(cls, args, costs: Costs, flags=("chunks", "pipelines", "order"), strict=True) -> dict:
+    """CLI flags that this schedule takes. A given flag it does not take is an error, or with
+    ``strict=False`` (ranking every schedule) is left out for that schedule."""
     options = {}
-    for flag in ("chunks", "pipelines", "order"):
+    for flag in flags:
         value = getattr(args, flag, None)
-        if value is None:
+        if value is None or (not strict and not value):
             continue
         if flag not in cls.options:
+            if not strict:
+                continue
             raise ValueError(f"{cls.name}: unknown option {flag!r}; allowed options: "
                              f"{', '.join(sorted(cls.options)) or 'none'}")
         options[flag] = value
@@ -120,11 +123,7 @@ def _rank_all(args, costs: Costs) -> int:
         if not cls.synchronous:
             continue
         try:
-            options = {k: v for k, v in _schedule_options(cls, argparse.Namespace(), costs).items()}
-            if "chunks" in cls.options and args.chunks:
-                options["chunks"] = args.chunks
-            if "pipelines" in cls.options and args.pipelines:
-                options["pipelines"] = args.pipelines
+            options = _schedule_options(cls, args, costs, flags=("chunks", "pipelines"), strict=False)
             schedule = cls(args.stages, args.micro_batches, **options)
         except ValueError as exc:
             rows.append((name, None, str(exc)))
