@@ -322,7 +322,7 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
     deadlock = {}
     for r in range(num_ranks):
         if pc[r] < len(program.ops[r]):
-            deadlock[r] = _describe_wait(program, r, pc[r], messages, sync_posts, sync_groups, posted)
+            deadlock[r] = _describe_wait(program, r, pc[r], messages, sync_posts, sync_groups)
     if not deadlock:
         _check_complete(placement, ends, num_mbs, error)
         for edge, order in edge_sent.items():
@@ -346,7 +346,7 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                      sync_records)
 
 
-def _describe_wait(program, rank, index, messages, sync_posts, sync_groups, posted) -> str:
+def _describe_wait(program, rank, index, messages, sync_posts, sync_groups) -> str:
     op = program.ops[rank][index]
     placement = program.placement
     if type(op) is CommBatch:
@@ -354,9 +354,9 @@ def _describe_wait(program, rank, index, messages, sync_posts, sync_groups, post
         return "; ".join(f"waits for {m.kind} of micro-batch {m.mb} from chunk {m.src} "
                          f"on rank {placement.rank_of(m.src)}" for m in missing) or "waits in a comm batch"
     if type(op) in (OptimizerStep, Action):
-        waits = [f"stage {s} sync from ranks {sorted(set(sync_groups[k]) - set(p))}"
-                 for k, p in sync_posts.items() for s in [k[0]] if len(p) < len(sync_groups[k])
-                 and rank in p]
+        waits = [f"stage {stage} sync from ranks {sorted(set(sync_groups[(stage, n)]) - set(posts))}"
+                 for (stage, n), posts in sync_posts.items()
+                 if rank in posts and len(posts) < len(sync_groups[(stage, n)])]
         return f"op {index} ({type(op).__name__}) waits for " + ("; ".join(waits) or "gradient syncs")
     return f"stuck at op {index}: {op!r}"
 
