@@ -174,14 +174,17 @@ class ScheduledPipelineEngine(PipelineEngine):
     # ---- gradients -----------------------------------------------------------------------
     def start_grad_sync(self, stage: int) -> None:
         """Post the all-reduce of one stage's gradients; called by the program right after its last backward."""
-        group = self.stage_groups.get(stage)
         chunk = self.chunk_modules[self.stage_chunk[stage]]
-        params = [p for p in chunk.parameters() if p.requires_grad]
+        self._post_allreduce(chunk, self.stage_groups.get(stage), f"stage {stage}")
+
+    def _post_allreduce(self, module, group, what: str) -> None:
+        """Start an async all-reduce of ``module``'s gradients, flattened; _finish_grad_syncs waits."""
+        params = [p for p in module.parameters() if p.requires_grad]
         if group is None or not params:
             return
         flat = _flatten_dense_tensors(self._grads(params))
         work = dist.all_reduce(flat, group=group, async_op=True)
-        self.pending_syncs.append((work, flat, params, f"stage {stage}"))
+        self.pending_syncs.append((work, flat, params, what))
 
     def _grads(self, params) -> list:
         """The gradient each parameter's optimizer reads: fp32 master grads under bf16."""
@@ -191,13 +194,7 @@ class ScheduledPipelineEngine(PipelineEngine):
 
     def _finish_grad_syncs(self) -> None:
         for key in sorted(self.tied_groups):
-            group = self.tied_groups[key]
-            params = [p for p in self.tied_modules[key].parameters() if p.requires_grad]
-            if group is None or not params:
-                continue
-            flat = _flatten_dense_tensors(self._grads(params))
-            self.pending_syncs.append((dist.all_reduce(flat, group=group, async_op=True), flat, params,
-                                       f"tied weights {key!r}"))
+            self._post_allreduce(self.tied_modules[key], self.tied_groups[key], f"tied weights {key!r}")
         for work, flat, params, what in self.pending_syncs:
             self.p2p._wait(work, f"the gradient all-reduce of {what}")
             if self.dp_size > 1 and not self.zero1:
