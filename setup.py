@@ -26,6 +26,10 @@ SCHEDULES = [
     "zb-h1 = ds_chimera.schedules.zero_bubble:ZBH1",
     "zbv = ds_chimera.schedules.zero_bubble:ZBV",
     "dualpipev = ds_chimera.schedules.dualpipev:DualPipeV",
+    "pipedream = ds_chimera.schedules.asynchronous:PipeDream",
+    "pipedream-2bw = ds_chimera.schedules.asynchronous:PipeDream2BW",
+    "pipeoptim = ds_chimera.schedules.asynchronous:PipeOptim",
+    "spectrain = ds_chimera.schedules.asynchronous:SpecTrain",
 ]
 
 setup(

@@ -75,7 +75,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         # DeepSpeed refuses a config both in args and as a dict; the dict (already read) wins.
         args = _without_config_path(args)
         call["args"] = args
-    with _engine_class(ScheduledPipelineEngine):
+    engine_cls = ScheduledPipelineEngine
+    if not model._ds_chimera_plan.schedule.synchronous:
+        from ..runtime.async_engine import AsyncPipelineEngine
+        engine_cls = AsyncPipelineEngine
+    with _engine_class(engine_cls):
         return original(**call)
 
 

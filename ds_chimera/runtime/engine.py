@@ -275,14 +275,19 @@ class ScheduledPipelineEngine(PipelineEngine):
         self._take_model_step(None)
         self.agg_train_loss = self._aggregate_loss(loss_sum, self.micro_batches)
         self.tput_timer.stop(global_step=True)
-        elapsed = time.perf_counter() - start
         if trace:
             self._write_trace()
-        if self.global_rank == 0 and self.steps_per_print() and self.global_steps % self.steps_per_print() == 0:
+        self._print_progress(time.perf_counter() - start)
+        return self.agg_train_loss
+
+    def _print_progress(self, elapsed: float) -> None:
+        """DeepSpeed-style progress line every ``steps_per_print`` train_batch calls."""
+        self.train_batch_calls = getattr(self, "train_batch_calls", 0) + 1
+        every = self.steps_per_print()
+        if self.global_rank == 0 and every and self.train_batch_calls % every == 0:
             samples = self.train_batch_size() / elapsed
             print(f"[ds_chimera {self.schedule.name}] steps: {self.global_steps} loss: {self.agg_train_loss.item():0.4f} "
                   f"iter time (s): {elapsed:0.3f} samples/sec: {samples:0.3f}", flush=True)
-        return self.agg_train_loss
 
     def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg",
                    bcast_loss=True, num_micro_batches=None):
@@ -395,7 +400,15 @@ class ScheduledPipelineEngine(PipelineEngine):
                                          load_module_only=load_module_only, custom_load_fn=custom_load_fn, **kwargs)
         if self.using_bf16_optimizer:
             self.optimizer.clip_grad = 0.0     # a loaded state restores DeepSpeed's partial-norm clipping
+        if load_optimizer_states and not load_module_only and result[0] is not None and tag is not None:
+            self._load_extra_state(os.path.join(load_dir, str(tag)))
         return result
+
+    def _save_extra_state(self, directory: str) -> None:
+        """State of this rank beyond DeepSpeed's (subclasses: predictor state)."""
+
+    def _load_extra_state(self, directory: str) -> None:
+        """Counterpart of :meth:`_save_extra_state`; ``directory`` is the loaded tag's."""
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
                         exclude_frozen_parameters=False):
@@ -412,6 +425,7 @@ class ScheduledPipelineEngine(PipelineEngine):
         dist.barrier()
         super().save_checkpoint(save_dir, tag=tmp_tag, client_state=state, save_latest=False,
                                 exclude_frozen_parameters=exclude_frozen_parameters)
+        self._save_extra_state(os.path.join(save_dir, tmp_tag))
         dist.barrier()
         if self.global_rank == 0:
             final, staged = os.path.join(save_dir, tag), os.path.join(save_dir, tmp_tag)

@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from ..schedules.actions import (BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, CommBatch, GradSync,
-                                 OptimizerStep)
+from ..schedules.actions import (BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, Action, CommBatch,
+                                 GradSync, OptimizerStep)
 
 
 def _as_tuple(x):
@@ -41,6 +41,9 @@ def _as_leaf(tensors, train: bool):
     return out
 
 
+current_action = None   # the action being executed on this process, for instrumentation and debugging
+
+
 class StepExecutor:
     """Runs the ops of one rank. ``ctx`` is the engine: chunks, placement, p2p, loss, syncs."""
 
@@ -54,10 +57,13 @@ class StepExecutor:
         ctx, placement = self.ctx, self.placement
         inputs, outputs, input_grads, deferred, received, blocks = {}, {}, {}, {}, {}, {}
         loss_sum, loss_count = None, 0
+        versions = getattr(ctx, "weight_versions", None)
         t0 = time.perf_counter()
         self.records = []
         for op in ops:
             if type(op) is Action:
+                global current_action
+                current_action = op
                 start = time.perf_counter()
                 kind, c, mb = op
                 chunk = ctx.chunk_modules[c]
@@ -76,7 +82,11 @@ class StepExecutor:
                         x = _pack(inputs[(c, mb)])
                     capture = [] if train and c in ctx.split_chunks else None
                     with torch.set_grad_enabled(train):
-                        out = chunk(x, capture)
+                        if versions is None:
+                            out = chunk(x, capture)
+                        else:     # asynchronous schedules: the weight version the policy says
+                            out = versions[c].forward(mb, (x, capture), ctx.steps_ahead(c, mb) if train else 0,
+                                                      record=ctx.record_versions)
                     if capture is not None:
                         blocks[(c, mb)] = capture
                     if placement.next_chunk(c) is None:
@@ -109,11 +119,15 @@ class StepExecutor:
                     if placement.prev_chunk(c) is not None:
                         input_grads[(c, mb)] = [t.grad if t.grad is not None else torch.zeros_like(t)
                                                 for t in leaves]
+                    if versions is not None:
+                        versions[c].backward_done(mb, record=ctx.record_versions)
                 elif kind == WEIGHT_GRAD:
                     for outs, out_grads, params in deferred.pop((c, mb)):
                         torch.autograd.backward(outs, grad_tensors=out_grads, inputs=params)
+                elif kind == STEP:
+                    ctx.step_chunk(c, mb)
                 else:
-                    raise RuntimeError(f"the synchronous runtime cannot execute action {op}")
+                    raise RuntimeError(f"the runtime cannot execute action {op}")
                 if trace:
                     self.records.append((ctx.pipe_rank, kind, c, mb, start - t0, time.perf_counter() - t0))
             elif type(op) is CommBatch:

@@ -80,8 +80,6 @@ def make_plan(config: dict, num_stages: int, dp: int, num_layers: int, parts_fn)
     name, options, runtime = schedule_options(section)
     micro_batches = micro_batches_from_config(config, dp)
     schedule = registry.get(name)(num_stages, micro_batches, **options)
-    if not schedule.synchronous:
-        raise ValueError(f"schedule {name!r} is asynchronous; it runs on the asynchronous runtime, not this one")
     timeout = runtime.get("timeout", DEFAULT_TIMEOUT_S)
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
         raise ValueError(f'"pipeline": {{"timeout": ...}} must be a number of seconds > 0, got {timeout!r}')

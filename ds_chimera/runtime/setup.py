@@ -47,6 +47,8 @@ def prepare_module(module, config: dict, model_parameters):
                          f"norm would count them twice; use ZeRO stage 0 or a schedule without replicas")
     if zero == 1:
         _refuse_cross_rank_ties(module, plan)
+    if not plan.schedule.synchronous:
+        _check_async_setup(module, plan, config, zero)
     bf16 = config.get("bf16") or config.get("bfloat16") or {}
     if bf16.get("enabled"):
         # Backward order is the schedule's, not 1F1B's: each parameter's gradient must reach the
@@ -78,6 +80,27 @@ def prepare_module(module, config: dict, model_parameters):
                               for s in range(plan.placement.num_stages))
         print(f"[ds_chimera] schedule {plan.schedule!r}; {sim_parts}", flush=True)
     return _remap_parameters(module, model_parameters, old_params)
+
+
+def _check_async_setup(module, plan, config: dict, zero: int) -> None:
+    """What asynchronous schedules cannot do yet, refused before any step."""
+    from deepspeed.runtime.pipe.module import TiedLayerSpec
+    name = plan.schedule.name
+    if any(isinstance(spec, TiedLayerSpec) for spec in module._layer_specs):
+        raise ValueError(f"schedule {name!r} updates each stage on its own clock, so weights tied across layers "
+                         f"(TiedLayerSpec) would diverge between their stages; untie them or use a synchronous schedule")
+    interval = (config.get("pipeline") or {}).get("activation_checkpoint_interval",
+                                                  module.activation_checkpoint_interval)
+    if interval:
+        raise ValueError(f"schedule {name!r} with activation_checkpoint_interval={interval}: recomputation in the "
+                         f"backward would see the live weights, not the version the forward used; set it to 0")
+    if zero:
+        raise ValueError(f"schedule {name!r} with ZeRO stage {zero}: weight prediction and stashing need each "
+                         f"stage's full optimizer state; use ZeRO stage 0")
+    bf16 = config.get("bf16") or config.get("bfloat16") or {}
+    if bf16.get("enabled"):
+        raise ValueError(f"schedule {name!r} with bf16: DeepSpeed's BF16_Optimizer keeps weights and optimizer "
+                         f"state in flat fp32 partitions that the weight versions do not map yet; use fp32")
 
 
 def _refuse_cross_rank_ties(module, plan) -> None:

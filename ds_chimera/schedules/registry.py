@@ -16,13 +16,14 @@ log = logging.getLogger(__name__)
 
 
 def _builtin() -> dict:
+    from .asynchronous import PipeDream, PipeDream2BW, PipeOptim, SpecTrain
     from .chimera import Chimera
     from .classic import GPipe, OneFOneB
     from .dualpipev import DualPipeV
     from .looped import BreadthFirst, Interleaved
     from .zero_bubble import ZBH1, ZBV
     return {cls.name: cls for cls in (GPipe, OneFOneB, Interleaved, BreadthFirst, Chimera, ZBH1, ZBV,
-                                      DualPipeV)}
+                                      DualPipeV, PipeDream, PipeDream2BW, PipeOptim, SpecTrain)}
 
 
 _extra: dict = {}

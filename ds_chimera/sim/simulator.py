@@ -276,7 +276,9 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                     if messages[m] > t:
                         t = messages[m]
             elif type(op) is GradSync:
-                for c in stage_chunks_on[r].get(op.stage, ()):
+                # a synchronous program syncs a stage once, after all its backwards; an asynchronous
+                # one syncs before every step, which checks its own micro-batch's backward
+                for c in stage_chunks_on[r].get(op.stage, ()) if program.synchronous else ():
                     for mb in routed[c]:
                         idx = c * num_mbs + mb
                         if b_end[idx] is None and w_end[idx] is None:

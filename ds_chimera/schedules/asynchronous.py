@@ -1,0 +1,193 @@
+"""Asynchronous 1F1B: PipeOptim and the PipeDream family, as data.
+
+Every stage steps its own optimizer right after a mini-batch's backward (the ``S`` action),
+so there is no flush between updates. The schedules differ only in which weight version a
+mini-batch's forward and backward see, which :attr:`weight_policy` names and
+``ds_chimera.optim.versions`` implements:
+
+- ``stash``   (PipeDream, 2BW): the forward uses the live weights, the backward the same version.
+- ``predict`` (PipeOptim, SpecTrain): the forward uses weights predicted ``s`` updates ahead,
+  the backward the live weights.
+
+One ``train_batch`` runs N mini-batches through a full pipeline and drains it at the end
+(see the runtime docs for why). Version numbers below count the updates a stage has applied
+since the start of that call.
+"""
+from __future__ import annotations
+
+from .actions import BACKWARD, FORWARD, STEP, Action
+from .base import Schedule, check_int, linear_placement
+from .classic import one_f_one_b_orders
+
+STEPS_AHEAD = ("paper", "code")
+
+
+def check_steps_ahead(schedule: str, value):
+    if value in STEPS_AHEAD or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise ValueError(f"{schedule}: steps_ahead must be 'paper' (s = D-1-k), 'code' (s = D-k) or an integer >= 0; "
+                     f"got {value!r}")
+
+
+class AsyncOneFOneB(Schedule):
+    """Base: the 1F1B order, plus one optimizer step per ``update_interval`` backwards."""
+
+    synchronous = False
+    weight_policy = "stash"
+
+    def update_interval(self) -> int:
+        return 1
+
+    def validate(self):
+        interval = self.update_interval()
+        if self.micro_batches % interval:
+            raise ValueError(f"{self.name}: micro_batches ({self.micro_batches}) must be a multiple of the update "
+                             f"interval ({interval}), so that every train_batch ends on a complete update")
+
+    def build_placement(self):
+        return linear_placement(self.stages, self.micro_batches)
+
+    def build_orders(self):
+        interval = self.update_interval()
+        orders = []
+        for order in one_f_one_b_orders(self.placement, 0, list(range(self.micro_batches))):
+            out = []
+            for action in order:
+                out.append(action)
+                if action.kind == BACKWARD and (action.mb + 1) % interval == 0:
+                    out.append(Action(STEP, action.chunk, action.mb))
+            orders.append(out)
+        return orders
+
+    # ---- weight versions -----------------------------------------------------------------
+    def versions(self) -> dict:
+        """(chunk, mb) -> (updates applied before its forward, updates applied before its backward)."""
+        if getattr(self, "_versions", None) is None:
+            self._versions = self._count_versions()
+        return self._versions
+
+    def _count_versions(self) -> dict:
+        seen = {}
+        for order in self.orders:
+            steps, fwd = 0, {}
+            for kind, chunk, mb in order:
+                if kind == FORWARD:
+                    fwd[mb] = steps
+                elif kind == BACKWARD:
+                    seen[(chunk, mb)] = (fwd.pop(mb), steps)
+                elif kind == STEP:
+                    steps += 1
+        return seen
+
+    def steps_ahead(self, chunk: int, mb: int) -> int:
+        """How many updates ahead a forward's predicted weights look (``predict`` policy only)."""
+        fwd, bwd = self.versions()[(chunk, mb)]
+        return bwd - fwd
+
+    def weights_per_rank(self) -> list:
+        """Peak weight versions a rank holds, counted by replaying its order.
+
+        ``stash``: the live version plus every older version an in-flight mini-batch still
+        needs. ``predict``: the live weights plus one predicted copy while a forward runs,
+        whenever that forward looks at least one update ahead.
+        """
+        peaks = []
+        for rank, order in enumerate(self.orders):
+            steps, inflight, peak = 0, {}, 1
+            for kind, chunk, mb in order:
+                if kind == FORWARD:
+                    inflight[mb] = steps
+                    if self.weight_policy == "predict" and self.steps_ahead(chunk, mb) > 0:
+                        peak = max(peak, 2)
+                elif kind == BACKWARD:
+                    del inflight[mb]
+                elif kind == STEP:
+                    steps += 1
+                if self.weight_policy == "stash":
+                    peak = max(peak, len(set(inflight.values()) | {steps}))
+            peaks.append(peak)
+        return peaks
+
+
+class PipeDream(AsyncOneFOneB):
+    """PipeDream (Narayanan et al., SOSP 2019): weight stashing, D-k versions at stage k.
+
+    The backward of a mini-batch uses the version its forward used; stages see different
+    versions of one mini-batch (no vertical sync), so updates are D-1-k steps stale at stage k.
+    """
+
+    name = "pipedream"
+    summary = "async 1F1B with weight stashing; D-k weight versions at stage k"
+
+
+class PipeDream2BW(AsyncOneFOneB):
+    """PipeDream-2BW (Narayanan et al., ICML 2021): double-buffered weights, delay 1.
+
+    Gradients accumulate over ``update_interval`` micro-batches (default D, the smallest
+    that keeps two versions); every new micro-batch's forward uses the newest version and
+    its backward the same one, so W(t+1) = W(t) - lr * grad(W(t-1)).
+    """
+
+    name = "pipedream-2bw"
+    summary = "async 1F1B, double-buffered weights: update every update_interval micro-batches, delay 1"
+    options = {"update_interval": None}
+
+    def update_interval(self) -> int:
+        value = self.config["update_interval"]
+        return self.stages if value is None else value
+
+    def validate(self):
+        if self.config["update_interval"] is not None:
+            check_int(self.name, "update_interval", self.config["update_interval"], 1)
+        super().validate()
+
+
+class PipeOptim(AsyncOneFOneB):
+    """PipeOptim (Guan et al., arXiv 2312.00839): optimizer-dependent weight prediction.
+
+    The forward at stage k uses W - lr * s * Delta, Delta being the optimizer's own last
+    update direction and s = D-1-k in steady state; the backward uses the live weights.
+    """
+
+    name = "pipeoptim"
+    summary = "async 1F1B, forward on weights predicted by the optimizer's update rule; 2 versions"
+    options = {"predictor": "auto", "steps_ahead": "paper"}
+    weight_policy = "predict"
+
+    def validate(self):
+        if not isinstance(self.config["predictor"], str):
+            raise ValueError(f"{self.name}: predictor must be 'auto' or a predictor name, "
+                             f"got {self.config['predictor']!r}")
+        check_steps_ahead(self.name, self.config["steps_ahead"])
+        super().validate()
+
+    def steps_ahead(self, chunk: int, mb: int) -> int:
+        """``paper``: s = D-1-k, the distance to the backward (smaller in the warm-up after a
+        flush, where the backward really is fewer updates away); ``code``: one more, as the
+        published code; an integer: that many."""
+        choice = self.config["steps_ahead"]
+        gap = super().steps_ahead(chunk, mb)
+        if choice == "paper":
+            return gap
+        if choice == "code":
+            return gap + 1
+        return choice
+
+
+class SpecTrain(PipeOptim):
+    """SpecTrain (Chen et al., arXiv 1809.02839): prediction from the smoothed gradient.
+
+    Like PipeOptim, but Delta is an exponential moving average of the gradients
+    (``smoothing``) whatever the optimizer, which is what PipeOptim improves on.
+    """
+
+    name = "spectrain"
+    summary = "async 1F1B, forward on weights predicted from the smoothed gradient; 2 versions"
+    options = {"steps_ahead": "paper", "smoothing": 0.9}
+
+    def validate(self):
+        smoothing = self.config["smoothing"]
+        if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing < 1:
+            raise ValueError(f"{self.name}: smoothing must be a number in [0, 1), got {smoothing!r}")
+        check_steps_ahead(self.name, self.config["steps_ahead"])
+        AsyncOneFOneB.validate(self)
