@@ -25,7 +25,13 @@ OTHER = ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv", "actckpt-4x1-chime
          "bf16-2x2-zbv", "bf16-4x1-stock", "bf16-4x1-1f1b-noclip", "zero1-2x2-breadth-first", "zero1-2x2-zbv",
          "zero1-2x2-zbv-tied", "lm-chimera", "lm-zbv", "trace-chimera", "trace-zbv", "bad-zero1-chimera", "bad-zero1-tied", "bad-zero2",
          "bad-fp16", "bad-load-other-schedule", "bad-batch-split", "bad-unknown",
-         "bad-pipelines", "bad-interleaved-n", "bad-option"]
+         "bad-pipelines", "bad-interleaved-n", "bad-option", "bad-async-tied", "bad-async-actckpt", "bad-async-bf16",
+         "bad-async-steps-ahead"]
+ASYNC_OPTIONS = {"pipeoptim-code": {"steps_ahead": "code"}, "pipeoptim-last": {"predictor": "last-update"}}
+ASYNC_KEYS = ["pipedream", "pipedream-2bw", "pipeoptim", "spectrain", "pipeoptim-code", "pipeoptim-last"]
+ASYNC = ([f"async-{topo}-{k}" for topo in ("4x1", "2x2") for k in ASYNC_KEYS] + [f"async-probe-{k}" for k in ASYNC_KEYS]
+         + ["async-ckpt-resume-pipeoptim", "async-ckpt-resume-2x2-pipedream"])
+OTHER += ASYNC
 
 
 def torchrun(args, timeout=900, extra_env=None):
@@ -135,3 +141,56 @@ def test_per_step_trace_of_what_each_rank_ran(results, scenario, kinds):
     assert sorted(files) == [f"step000001-rank{r:03d}.json" for r in range(4)]
     for names in files.values():     # N=8 micro-batches through this rank's chunks, each kind once
         assert {k: names.count(k) for k in set(names)} == kinds
+
+
+# ---- asynchronous schedules (PipeOptim, PipeDream, 2BW, SpecTrain) --------------------------------------
+@pytest.mark.parametrize("scenario", [s for s in ASYNC if s.startswith(("async-4x1", "async-2x2"))])
+def test_async_engine_equals_the_single_process_pipeline(results, scenario):
+    """Same global mini-batches, same per-stage clipping: the distributed engine and LocalPipeline agree."""
+    r = results[scenario]
+    assert r["max_param_diff"] <= 1e-6
+    assert r["max_loss_diff"] <= 1e-5
+    stages, n = (4, 8) if "4x1" in scenario else (2, 4)
+    interval = stages if "2bw" in scenario else 1         # 2BW accumulates D micro-batches per update
+    assert r["global_steps"] == 2 * n // interval          # two calls, one optimizer step per update
+
+
+@pytest.mark.parametrize("key", ASYNC_KEYS)
+def test_weight_copies_each_rank_holds(results, key):
+    from ds_chimera.schedules import registry
+    name = "pipeoptim" if key.startswith("pipeoptim") else key
+    held = results[f"async-4x1-{key}"]["versions_held"]
+    assert held == registry.build(name, 4, 8, **ASYNC_OPTIONS.get(key, {})).weights_per_rank()
+    # the last stage's backward follows its forward at once, except where s = D-k looks one update further
+    assert held == {"pipedream": [4, 3, 2, 1], "pipeoptim-code": [2, 2, 2, 2]}.get(key, [2, 2, 2, 1])
+
+
+@pytest.mark.parametrize("key", ASYNC_KEYS)
+def test_instrumented_run_shows_each_methods_weight_versions(results, key):
+    """Every forward and backward on every rank reads the version its method's definition gives."""
+    from test_pipeoptim import expected_versions, observed_versions
+
+    from ds_chimera.schedules import registry
+    r = results[f"async-probe-{key}"]
+    schedule = registry.build("pipeoptim" if key.startswith("pipeoptim") else key, 4, r["n"],
+                              **ASYNC_OPTIONS.get(key, {}))
+    observed = observed_versions([tuple(e) for e in r["log"]], schedule)
+    expected = expected_versions(schedule, r["calls"])
+    assert observed == expected
+
+
+@pytest.mark.parametrize("scenario,files", [("async-ckpt-resume-pipeoptim", 4), ("async-ckpt-resume-2x2-pipedream", 0)])
+def test_async_checkpoint_resume_is_exact(results, scenario, files):
+    r = results[scenario]
+    assert r["max_param_diff"] == 0.0
+    assert len([f for f in r["files"] if f.startswith("ds_chimera_predictor")]) == files
+
+
+@pytest.mark.parametrize("scenario,message", [
+    ("bad-async-tied", "weights tied across layers (TiedLayerSpec) would diverge"),
+    ("bad-async-actckpt", "activation_checkpoint_interval=1: recomputation in the backward would see the live"),
+    ("bad-async-bf16", "schedule 'spectrain' with bf16"),
+    ("bad-async-steps-ahead", "steps_ahead must be 'paper' (s = D-1-k), 'code' (s = D-k) or an integer >= 0; got 'later'"),
+])
+def test_bad_async_config_fails_at_initialize(results, scenario, message):
+    assert message in (results[scenario]["error"] or "")

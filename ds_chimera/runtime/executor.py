@@ -54,6 +54,7 @@ class StepExecutor:
 
     def run(self, ops, batches: dict, train: bool, scale: float, trace: bool = False):
         """Execute ``ops``. Returns (sum of this rank's micro-batch losses, their count)."""
+        global current_action
         ctx, placement = self.ctx, self.placement
         inputs, outputs, input_grads, deferred, received, blocks = {}, {}, {}, {}, {}, {}
         loss_sum, loss_count = None, 0
@@ -62,7 +63,6 @@ class StepExecutor:
         self.records = []
         for op in ops:
             if type(op) is Action:
-                global current_action
                 current_action = op
                 start = time.perf_counter()
                 kind, c, mb = op

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from . import executor
 from ..optim.predictors import SmoothedGradient, make_predictor
 from ..optim.versions import WeightVersions
 from ..schedules.actions import BACKWARD, FORWARD, STEP
@@ -64,6 +65,7 @@ class LocalPipeline:
             for k, order in enumerate(orders):
                 while pcs[k] < len(order):
                     kind, c, mb = order[pcs[k]]
+                    executor.current_action = order[pcs[k]]
                     if kind == FORWARD:
                         if c > 0 and (c - 1, mb) not in acts:
                             break

@@ -237,6 +237,16 @@ def bad_config(kind):
                 tdist.barrier()
                 if tdist.get_rank() == 0:
                     shutil.rmtree(holder[0], ignore_errors=True)
+        elif kind == "async-tied":
+            make_engine(4, config("pipeoptim", 8, 1), mlp_specs(16, tied=True))
+        elif kind == "async-actckpt":
+            make_engine(4, config("pipedream", 8, 1), specs, activation_checkpoint_interval=1)
+        elif kind == "async-bf16":
+            cfg = config("spectrain", 8, 1)
+            cfg["bf16"] = {"enabled": True}
+            make_engine(4, cfg, specs)
+        elif kind == "async-steps-ahead":
+            make_engine(4, config("pipeoptim", 8, 1, steps_ahead="later"), specs)
         elif kind == "zero2":
             cfg = config("breadth-first", 8, 1)
             cfg["zero_optimization"] = {"stage": 2}
@@ -279,7 +289,67 @@ def traced_step(schedule, n=8):
     return {"files": out}
 
 
+def async_engine(schedule, stages, dp, n, specs, optimizer, clip=0.0, **options):
+    net = PipelineModule(layers=specs, num_stages=stages, loss_fn=torch.nn.MSELoss(), partition_method="uniform",
+                         seed_layers=True, base_seed=BASE_SEED)
+    engine, _, _, _ = deepspeed.initialize(model=net, config=config(schedule, n, dp, clip, **options),
+                                           optimizer=optimizer)
+    return engine
+
+
+def async_versus_local(schedule, stages, dp, n, calls=2, **options):
+    """The asynchronous engine against LocalPipeline (one process) on the same global mini-batches."""
+    from ds_chimera.runtime.local import LocalPipeline
+    from ds_chimera.schedules import registry
+    specs = mlp_specs(16)
+    make_opt = lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9)  # noqa: E731
+    engine = async_engine(schedule, stages, dp, n, specs, make_opt, clip=0.5, **options)
+    global_batches = make_global_batches(n * dp)
+    losses = [engine.train_batch(iter(my_batches(engine, global_batches, s, n))).item() for s in range(calls)]
+    ref_layers = build_reference(specs)
+    parts = engine.plan.parts
+    stage_modules = [torch.nn.Sequential(*ref_layers[parts[k]:parts[k + 1]]) for k in range(stages)]
+    local = LocalPipeline(registry.build(schedule, stages, n, **options), stage_modules,
+                          [make_opt(m.parameters()) for m in stage_modules], torch.nn.functional.mse_loss, clip=0.5)
+    ref_losses = []
+    for s in range(calls):
+        b = global_batches(s)      # data-parallel replicas' micro-batch i together make mini-batch i
+        ref_losses.append(local.train_batch([(torch.cat([b[d * n + i][0] for d in range(dp)]),
+                                              torch.cat([b[d * n + i][1] for d in range(dp)])) for i in range(n)]))
+    held = torch.tensor([engine.weight_versions_held()])
+    gathered = [torch.zeros_like(held) for _ in range(tdist.get_world_size())]
+    tdist.all_gather(gathered, held)
+    return {"max_param_diff": max_param_diff(engine, ref_layers), "losses": losses, "ref_losses": ref_losses,
+            "max_loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "versions_held": [int(g) for g in gathered], "stage_of_rank": [engine.grid.get_stage_id()],
+            "global_steps": engine.global_steps}
+
+
+def async_probe(schedule, n=8, calls=3, **options):
+    """Instrumented run: the weight version every forward and backward sees, on every rank."""
+    from deepspeed.pipe import LayerSpec
+    from probes import LOG, VersionProbe
+    LOG.clear()
+    specs = [LayerSpec(VersionProbe) for _ in range(4)]
+    engine = async_engine(schedule, 4, 1, n, specs, lambda p: torch.optim.SGD(p, lr=1.0), **options)
+    batches = make_global_batches(n)
+    for s in range(calls):
+        engine.train_batch(iter(batches(s)))
+    gathered = [None] * tdist.get_world_size()
+    tdist.all_gather_object(gathered, [list(e) for e in LOG])
+    return {"log": [e for part in gathered for e in part], "calls": calls, "n": n}
+
+
 SCENARIOS = {}
+ASYNC = {"pipedream": {}, "pipedream-2bw": {}, "pipeoptim": {}, "spectrain": {},
+         "pipeoptim-code": {"steps_ahead": "code"}, "pipeoptim-last": {"predictor": "last-update"}}
+for key, opts in ASYNC.items():
+    name = "pipeoptim" if key.startswith("pipeoptim") else key
+    SCENARIOS[f"async-4x1-{key}"] = (lambda name=name, opts=opts: async_versus_local(name, 4, 1, 8, **opts))
+    SCENARIOS[f"async-2x2-{key}"] = (lambda name=name, opts=opts: async_versus_local(name, 2, 2, 4, **opts))
+    SCENARIOS[f"async-probe-{key}"] = (lambda name=name, opts=opts: async_probe(name, **opts))
+SCENARIOS["async-ckpt-resume-pipeoptim"] = lambda: checkpoint_resume("pipeoptim", 4, 1, 8, predictor="last-update")
+SCENARIOS["async-ckpt-resume-2x2-pipedream"] = lambda: checkpoint_resume("pipedream", 2, 2, 4)
 SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved": {"chunks": 2}, "breadth-first": {"chunks": 2},
              "chimera": {}, "chimera-fd": {"order": "forward-doubling"}, "chimera-merged": {"order": "merged"},
              "chimera-concat": {"order": "concat"}, "zb-h1": {}, "zbv": {}, "dualpipev": {}}
@@ -316,7 +386,7 @@ for key, opts in {"1f1b": {}, "gpipe": {}, "interleaved": {"chunks": 2}, "breadt
     SCENARIOS[f"equiv-1x1-{key}"] = (lambda key=key, opts=opts: train_and_compare(key, 1, 1, 4, **opts))
     SCENARIOS[f"bf16-1x1-{key}"] = (lambda key=key, opts=opts: train_and_compare(key, 1, 1, 4, bf16=True, **opts))
 for kind in ("unknown", "pipelines", "interleaved-n", "option", "zero1-chimera", "zero1-tied", "zero2", "fp16", "batch-split",
-             "load-other-schedule"):
+             "load-other-schedule", "async-tied", "async-actckpt", "async-bf16", "async-steps-ahead"):
     SCENARIOS[f"bad-{kind}"] = (lambda kind=kind: bad_config(kind))
 
 

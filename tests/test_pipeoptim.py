@@ -1,0 +1,344 @@
+"""PipeOptim and the PipeDream family: predictors, weight versions, schedules (single process)."""
+import copy
+import math
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from ds_chimera.optim import LastUpdate, WeightVersions, make_predictor, register_predictor
+from ds_chimera.optim.predictors import Predictor, SmoothedGradient
+from ds_chimera.runtime.local import LocalPipeline
+from ds_chimera.schedules import registry
+from ds_chimera.sim.simulator import Costs, simulate
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed"))
+import probes  # noqa: E402
+
+ASYNC = ["pipedream", "pipedream-2bw", "pipeoptim", "spectrain"]
+
+
+def scalar_param(value=1.0):
+    return nn.Parameter(torch.tensor([value]))
+
+
+def step_with(opt, predictor, p, grad):
+    p.grad = torch.tensor([grad])
+    predictor.before_step()
+    opt.step()
+    predictor.after_step()
+    opt.zero_grad(set_to_none=True)
+
+
+# ---- predictors: closed forms on hand-computed cases ---------------------------------------------
+def test_sgd_momentum_predicts_with_the_momentum_buffer():
+    p = scalar_param()
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    pred = make_predictor(opt)
+    step_with(opt, pred, p, 0.5)
+    step_with(opt, pred, p, 0.25)
+    # buf = 0.9 * 0.5 + 0.25 = 0.7; p = 1 - 0.05 - 0.07 = 0.88
+    assert p.item() == pytest.approx(0.88)
+    assert pred.predict(p, 3).item() == pytest.approx(0.88 - 0.1 * 3 * 0.7)
+    assert pred.predict(p, 0) is p
+
+
+def test_sgd_nesterov_predicts_with_its_last_update_direction():
+    p = scalar_param()
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=True)
+    pred = make_predictor(opt)
+    step_with(opt, pred, p, 0.5)
+    step_with(opt, pred, p, 0.25)
+    # step 2: buf = 0.7, direction = 0.25 + 0.9 * 0.7 = 0.88; p = 1 - 0.095 - 0.088
+    assert p.item() == pytest.approx(0.817)
+    assert pred.predict(p, 2).item() == pytest.approx(0.817 - 0.1 * 2 * 0.88)
+
+
+def test_plain_sgd_with_weight_decay_predicts_with_the_decayed_gradient():
+    p = scalar_param()
+    opt = torch.optim.SGD([p], lr=0.1, weight_decay=0.1)
+    pred = make_predictor(opt)
+    step_with(opt, pred, p, 0.5)          # direction 0.5 + 0.1 * 1.0 = 0.6
+    assert p.item() == pytest.approx(0.94)
+    assert pred.predict(p, 2).item() == pytest.approx(0.94 - 0.1 * 2 * 0.6)
+
+
+def test_adam_predicts_with_bias_corrected_moments():
+    p = scalar_param()
+    opt = torch.optim.Adam([p], lr=0.1, betas=(0.9, 0.999), eps=1e-3)
+    pred = make_predictor(opt)
+    step_with(opt, pred, p, 0.5)          # m_hat = 0.5, v_hat = 0.25: direction 0.5 / (0.5 + 1e-3)
+    direction = 0.5 / (0.5 + 1e-3)
+    assert p.item() == pytest.approx(1 - 0.1 * direction)
+    assert pred.predict(p, 3).item() == pytest.approx(p.item() - 0.1 * 3 * direction)
+    step_with(opt, pred, p, -0.25)        # second step: the current bias corrections
+    m, v = 0.9 * 0.05 + 0.1 * -0.25, 0.999 * 0.00025 + 0.001 * 0.0625
+    direction = (m / (1 - 0.9 ** 2)) / (math.sqrt(v / (1 - 0.999 ** 2)) + 1e-3)
+    assert pred.predict(p, 2).item() == pytest.approx(p.item() - 0.1 * 2 * direction)
+
+
+def test_adamw_applies_decoupled_decay_separately():
+    p = scalar_param()
+    opt = torch.optim.AdamW([p], lr=0.1, eps=1e-3, weight_decay=0.01)
+    pred = make_predictor(opt)
+    step_with(opt, pred, p, 0.5)
+    direction = 0.5 / (0.5 + 1e-3)
+    p1 = 1.0 * (1 - 0.1 * 0.01) - 0.1 * direction
+    assert p.item() == pytest.approx(p1)
+    assert pred.predict(p, 2).item() == pytest.approx(p1 - 0.1 * 2 * direction - 0.1 * 0.01 * 2 * p1)
+
+
+def test_rmsprop_predicts_with_the_normalised_gradient_or_its_momentum():
+    p = scalar_param()
+    opt = torch.optim.RMSprop([p], lr=0.01, alpha=0.99, eps=1e-8)
+    pred = make_predictor(opt)
+    step_with(opt, pred, p, 0.5)          # square_avg = 0.0025: direction 0.5 / 0.05 = 10
+    assert p.item() == pytest.approx(0.9, rel=1e-5)
+    assert pred.predict(p, 2).item() == pytest.approx(0.9 - 0.01 * 2 * 10, rel=1e-5)
+    q = scalar_param()
+    opt = torch.optim.RMSprop([q], lr=0.01, momentum=0.5)
+    pred = make_predictor(opt)
+    step_with(opt, pred, q, 0.5)
+    buf = opt.state[q]["momentum_buffer"].item()
+    assert pred.predict(q, 2).item() == pytest.approx(q.item() - 0.01 * 2 * buf)
+
+
+def test_last_update_serves_any_optimizer_with_the_applied_step():
+    p = scalar_param()
+    opt = torch.optim.Adagrad([p], lr=0.1)
+    pred = make_predictor(opt)
+    assert isinstance(pred, LastUpdate)
+    step_with(opt, pred, p, 0.5)          # Adagrad's first step: 0.5 / sqrt(0.25) = 1
+    assert p.item() == pytest.approx(0.9, rel=1e-5)
+    assert pred.predict(p, 2).item() == pytest.approx(0.9 - 0.1 * 2 * 1.0, rel=1e-5)
+
+
+def test_smoothed_gradient_is_spectrains_moving_average():
+    p = scalar_param()
+    opt = torch.optim.AdamW([p], lr=0.1)
+    pred = SmoothedGradient(opt, smoothing=0.9)
+    step_with(opt, pred, p, 0.5)
+    step_with(opt, pred, p, 0.25)         # v = 0.9 * 0.5 + 0.1 * 0.25
+    assert pred.predict(p, 2).item() == pytest.approx(p.item() - 0.1 * 2 * 0.475)
+
+
+def test_auto_chooses_by_optimizer_class_and_names_are_checked():
+    params = [scalar_param()]
+    assert make_predictor(torch.optim.SGD(params, lr=0.1)).name == "sgd"
+    assert make_predictor(torch.optim.AdamW(params, lr=0.1)).name == "adam"
+    assert make_predictor(torch.optim.RMSprop(params, lr=0.1)).name == "rmsprop"
+    assert make_predictor(torch.optim.AdamW(params, lr=0.1), "last-update").name == "last-update"
+    with pytest.raises(ValueError, match="unknown weight predictor 'nope'.*available: auto"):
+        make_predictor(torch.optim.SGD(params, lr=0.1), "nope")
+    with pytest.raises(ValueError, match="predictor 'adam' reads the state of"):
+        make_predictor(torch.optim.SGD(params, lr=0.1), "adam")
+
+
+def test_register_predictor_is_the_extension_point():
+    class MyOpt(torch.optim.SGD):
+        pass
+
+    class MyPredictor(Predictor):
+        name = "mine"
+
+        def direction(self, p):
+            return torch.ones_like(p)
+
+    register_predictor(MyOpt, MyPredictor)
+    p = scalar_param()
+    pred = make_predictor(MyOpt([p], lr=0.5))
+    assert isinstance(pred, MyPredictor)
+    assert pred.predict(p, 2).item() == pytest.approx(1.0 - 0.5 * 2)
+
+
+def test_predictor_state_round_trips():
+    p = scalar_param()
+    opt = torch.optim.SGD([p], lr=0.1)
+    pred = make_predictor(opt)
+    step_with(opt, pred, p, 0.5)
+    fresh = make_predictor(opt)
+    fresh.load_state_dict(pred.state_dict())
+    assert fresh.predict(p, 2).item() == pred.predict(p, 2).item() != p.item()
+    with pytest.raises(ValueError, match="saved by 'sgd'"):
+        LastUpdate(opt).load_state_dict(pred.state_dict())
+
+
+# ---- weight versions --------------------------------------------------------------------------
+def one_step(module, opt, pred):
+    module(torch.randn(4, 3)).sum().backward()
+    pred.before_step()
+    opt.step()
+    pred.after_step()
+    opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("batch_shape", [(5, 3), (2, 5, 3)])
+def test_predicted_forward_backward_sees_live_weights_without_inplace_swaps(batch_shape):
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 4)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    pred = make_predictor(opt)
+    one_step(layer, opt, pred)
+    versions = WeightVersions(layer, "predict", pred)
+    x = torch.randn(*batch_shape, requires_grad=True)
+    out = versions.forward(0, (x,), steps_ahead=3)
+    w_hat = layer.weight.detach() - 0.1 * 3 * opt.state[layer.weight]["momentum_buffer"]
+    b_hat = layer.bias.detach() - 0.1 * 3 * opt.state[layer.bias]["momentum_buffer"]
+    y = x.detach() @ w_hat.T + b_hat
+    assert torch.allclose(out, y)                          # the forward used W_hat
+    with torch.no_grad():
+        layer.weight.add_(1.0)                             # an update lands before the backward
+    out.pow(2).sum().backward()
+    assert torch.allclose(x.grad, (2 * y) @ layer.weight.detach())      # input grad: live weights
+    assert not torch.allclose(x.grad, (2 * y) @ w_hat)
+    assert torch.allclose(layer.weight.grad, (2 * y).reshape(-1, 4).T @ x.detach().reshape(-1, 3))
+    assert versions.peak_versions == 2
+
+
+def test_stashed_forward_backward_sees_the_forward_version():
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 4)
+    versions = WeightVersions(layer, "stash")
+    x = torch.randn(5, 3, requires_grad=True)
+    w0 = layer.weight.detach().clone()
+    out = versions.forward(0, (x,))
+    with torch.no_grad():
+        layer.weight.add_(1.0)
+    out.sum().backward()
+    assert torch.allclose(x.grad, torch.ones(5, 4) @ w0)
+    assert layer.weight.grad is not None
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="weight policy must be one of live, stash, predict"):
+        WeightVersions(nn.Linear(2, 2), "swap")
+
+
+# ---- schedules ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ASYNC)
+@pytest.mark.parametrize("stages,n", [(1, 4), (2, 4), (4, 8), (4, 32), (8, 16)])
+def test_async_schedules_are_valid_and_fill_the_pipeline(name, stages, n):
+    schedule = registry.build(name, stages, n)
+    result = simulate(schedule.lower(), Costs(fwd=1.0, bwd=2.0, wgrad=1.0))
+    assert result.valid, result.errors[:3]
+    assert not schedule.synchronous
+    # one fill and one drain per call: makespan (N + D - 1) (F + B)
+    assert result.makespan == pytest.approx((n + stages - 1) * 3.0)
+    steps = [a for a in schedule.orders[0] if a.kind == "S"]
+    assert len(steps) == n // schedule.update_interval()
+
+
+def test_version_distance_is_d_minus_1_minus_k_in_steady_state():
+    schedule = registry.build("pipeoptim", 4, 16)
+    for k in range(4):
+        gaps = [schedule.steps_ahead(k, mb) for mb in range(16)]
+        assert gaps[4:12] == [3 - k] * 8
+        assert gaps[:3 - k] == list(range(3 - k))      # the warm-up after a flush is nearer
+    code = registry.build("pipeoptim", 4, 16, steps_ahead="code")
+    assert code.steps_ahead(0, 8) == 4
+    assert registry.build("pipeoptim", 4, 16, steps_ahead=2).steps_ahead(3, 8) == 2
+
+
+def test_weight_copies_per_stage():
+    assert registry.build("pipedream", 4, 8).weights_per_rank() == [4, 3, 2, 1]
+    assert registry.build("pipedream", 8, 16).weights_per_rank() == [8, 7, 6, 5, 4, 3, 2, 1]
+    assert registry.build("pipedream-2bw", 4, 8).weights_per_rank() == [2, 2, 2, 1]
+    assert registry.build("pipeoptim", 4, 8).weights_per_rank() == [2, 2, 2, 1]
+    assert registry.build("spectrain", 4, 8).weights_per_rank() == [2, 2, 2, 1]
+
+
+@pytest.mark.parametrize("name,options,message", [
+    ("pipeoptim", {"steps_ahead": "future"}, "steps_ahead must be 'paper'.*got 'future'"),
+    ("pipeoptim", {"steps_ahead": -1}, "steps_ahead must be"),
+    ("pipeoptim", {"steps_ahead": True}, "steps_ahead must be"),
+    ("pipeoptim", {"predictor": 3}, "predictor must be 'auto' or a predictor name"),
+    ("pipedream-2bw", {"update_interval": 3}, r"micro_batches \(8\) must be a multiple of the update interval \(3\)"),
+    ("pipedream-2bw", {"update_interval": 0}, "update_interval must be >= 1"),
+    ("spectrain", {"smoothing": 1.0}, r"smoothing must be a number in \[0, 1\)"),
+    ("pipedream", {"chunks": 2}, "unknown option 'chunks'"),
+])
+def test_bad_async_options_are_named(name, options, message):
+    with pytest.raises(ValueError, match=message):
+        registry.build(name, 4, 8, **options)
+
+
+# ---- the methods, run in one process --------------------------------------------------------------
+def probe_pipeline(name, stages=4, n=8, **options):
+    schedule = registry.build(name, stages, n, **options)
+    modules = [probes.VersionProbe() for _ in range(stages)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1.0) for m in modules]
+    return schedule, LocalPipeline(schedule, modules, optimizers, nn.functional.mse_loss)
+
+
+def expected_versions(schedule, calls):
+    """(kind, chunk, mb, call) -> the version each method's definition says that pass sees."""
+    updates = 1 if schedule.synchronous else schedule.micro_batches // schedule.update_interval()
+    out = {}
+    for call in range(calls):
+        base = call * updates
+        if schedule.synchronous:
+            for k in range(schedule.stages):
+                for mb in range(schedule.micro_batches):
+                    out[("F", k, mb, call)] = out[("B", k, mb, call)] = base
+            continue
+        for (k, mb), (fwd, bwd) in schedule.versions().items():
+            if schedule.weight_policy == "stash":
+                out[("F", k, mb, call)] = out[("B", k, mb, call)] = base + fwd
+            else:
+                # the predicted version; with no update applied yet, nothing to predict from
+                ahead = schedule.steps_ahead(k, mb) if base + fwd > 0 else 0
+                out[("F", k, mb, call)] = base + fwd + ahead
+                out[("B", k, mb, call)] = base + bwd
+    return out
+
+
+def observed_versions(log, schedule):
+    """The probes' readings as versions: an update of G accumulated micro-batches adds G."""
+    per_update = schedule.micro_batches if schedule.synchronous else schedule.update_interval()
+    seen, count = {}, {}
+    for kind, chunk, mb, value in log:
+        call = count.get((kind, chunk, mb), 0)
+        count[(kind, chunk, mb)] = call + 1
+        seen[(kind, chunk, mb, call)] = value / per_update
+    return seen
+
+
+@pytest.mark.parametrize("name,options", [("pipedream", {}), ("pipedream-2bw", {}), ("pipeoptim", {}),
+                                          ("spectrain", {}), ("pipeoptim", {"steps_ahead": "code"}),
+                                          ("1f1b", {})])
+def test_each_forward_and_backward_sees_its_definitions_version(name, options):
+    schedule, pipe = probe_pipeline(name, **options)
+    batches = [(torch.randn(2, 3), torch.randn(2, 3)) for _ in range(8)]
+    probes.LOG.clear()
+    for _ in range(3):
+        pipe.train_batch(batches)
+    assert observed_versions(probes.LOG, schedule) == expected_versions(schedule, 3)
+    if name == "pipeoptim" and not options:     # exact prediction: the forward sees the backward's version
+        later = [(k, v) for k, v in observed_versions(probes.LOG, schedule).items() if k[3] > 0]
+        fwd = {k[1:]: v for k, v in later if k[0] == "F"}
+        assert all(fwd[k[1:]] == v for k, v in later if k[0] == "B")
+    assert [v.peak_versions for v in pipe.versions] == (schedule.weights_per_rank()
+                                                        if not schedule.synchronous else [1] * 4)
+
+
+@pytest.mark.parametrize("name", ASYNC)
+@pytest.mark.parametrize("make_opt", [lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+                                      lambda p: torch.optim.AdamW(p, lr=0.01)])
+def test_with_one_stage_every_method_is_plain_training(name, make_opt):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+    reference = copy.deepcopy(model)
+    n = 6
+    batches = [(torch.randn(3, 6), torch.randn(3, 6)) for _ in range(n)]
+    opt, ref_opt = make_opt(model.parameters()), make_opt(reference.parameters())
+    pipe = LocalPipeline(registry.build(name, 1, n), [model], [opt], nn.functional.mse_loss)
+    for _ in range(2):
+        pipe.train_batch(batches)
+        for x, y in batches:
+            ref_opt.zero_grad()
+            nn.functional.mse_loss(reference(x), y).backward()
+            ref_opt.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
