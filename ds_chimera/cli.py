@@ -50,7 +50,6 @@ def _simulate_one(name: str, args, costs: Costs):
     cls = registry.get(name)
     schedule = cls(args.stages, args.micro_batches, **_schedule_options(cls, args, costs))
     result = simulate(schedule.lower(), costs, chunks_per_rank=schedule.chunks_per_rank)
-    result.weights_per_rank = schedule.weights_per_rank()
     return schedule, result
 
 

@@ -168,12 +168,12 @@ def test_weight_copies_each_rank_holds(results, key):
 @pytest.mark.parametrize("key", ASYNC_KEYS)
 def test_instrumented_run_shows_each_methods_weight_versions(results, key):
     """Every forward and backward on every rank reads the version its method's definition gives."""
-    from test_pipeoptim import expected_versions, observed_versions
+    from test_pipeoptim import PROBE_SPECTRAIN, expected_versions, observed_versions
 
     from ds_chimera.schedules import registry
     r = results[f"async-probe-{key}"]
-    schedule = registry.build("pipeoptim" if key.startswith("pipeoptim") else key, 4, r["n"],
-                              **ASYNC_OPTIONS.get(key, {}))
+    options = PROBE_SPECTRAIN if key == "spectrain" else ASYNC_OPTIONS.get(key, {})
+    schedule = registry.build("pipeoptim" if key.startswith("pipeoptim") else key, 4, r["n"], **options)
     observed = observed_versions([tuple(e) for e in r["log"]], schedule)
     expected = expected_versions(schedule, r["calls"])
     assert observed == expected

@@ -60,6 +60,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if distributed_port is not None:
         call["distributed_port"] = distributed_port
     loaded = _load_config(args, config, config_params)
+    if _wants_wavelet(loaded):
+        return _initialize_wavelet(original, call, args, model, loaded)
     if not _wants_schedule(model, loaded):
         return original(**call)
     from ..runtime.setup import prepare_module
@@ -80,6 +82,32 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         from ..runtime.async_engine import AsyncPipelineEngine
         engine_cls = AsyncPipelineEngine
     with _engine_class(engine_cls):
+        return original(**call)
+
+
+def _wants_wavelet(config) -> bool:
+    if not isinstance(config, dict):
+        return False
+    section = config.get("wavelet")
+    enabled = bool(section.get("enabled")) if isinstance(section, dict) else False
+    return enabled or os.environ.get("DS_CHIMERA_WAVELET") == "1"
+
+
+def _initialize_wavelet(original, call, args, model, config):
+    """``"wavelet": {"enabled": true}`` (or ``ds-chimera launch --wavelet``): tick-tock data parallel."""
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    from ..wavelet.engine import WaveletEngine, wavelet_options
+    if isinstance(model, PipelineModule):
+        raise ValueError("wavelet runs data-parallel training of a non-pipelined model; this model is a "
+                         "PipelineModule (choose a pipeline schedule instead, or drop \"wavelet\")")
+    config = dict(config)
+    config["wavelet"] = {**(config.get("wavelet") or {}), "enabled": True}
+    wavelet_options(config)              # bad options fail here, before any engine work
+    call.update(config=config, config_params=None)
+    if args is not None and (getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)):
+        call["args"] = _without_config_path(args)
+    with _engine_class(WaveletEngine, "DeepSpeedEngine"):
         return original(**call)
 
 
@@ -106,20 +134,20 @@ def _without_config_path(args):
 
 
 class _engine_class:
-    """Make deepspeed.initialize build ``cls`` instead of PipelineEngine, for one call."""
+    """Make deepspeed.initialize build ``cls`` instead of its ``attr`` engine class, for one call."""
 
-    def __init__(self, cls):
-        self.cls = cls
+    def __init__(self, cls, attr: str = "PipelineEngine"):
+        self.cls, self.attr = cls, attr
 
     def __enter__(self):
         import deepspeed
         _PATCH_LOCK.acquire()
-        self.saved = deepspeed.PipelineEngine
-        deepspeed.PipelineEngine = self.cls
+        self.saved = getattr(deepspeed, self.attr)
+        setattr(deepspeed, self.attr, self.cls)
 
     def __exit__(self, *exc):
         import deepspeed
-        deepspeed.PipelineEngine = self.saved
+        setattr(deepspeed, self.attr, self.saved)
         _PATCH_LOCK.release()
 
 

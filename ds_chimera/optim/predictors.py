@@ -209,7 +209,13 @@ class LastUpdate(Predictor):
 
 
 class SmoothedGradient(Predictor):
-    """SpecTrain: Delta = v, v <- gamma * v + (1 - gamma) * g at every step, whatever the optimizer."""
+    """SpecTrain: Delta from v <- gamma * v + (1 - gamma) * g at every step, whatever the optimizer.
+
+    SpecTrain writes momentum SGD as W -= eta * v with this v; torch's SGD sums instead
+    (buf = gamma * buf + g, W -= lr * buf), so Delta = v / (1 - gamma) in torch's units. Under
+    momentum SGD that is the optimizer's own step, as SpecTrain intends; under Adam it is not,
+    which is the gap PipeOptim's optimizer-dependent prediction closes.
+    """
 
     name = "smoothed-gradient"
     optimizers = ()
@@ -231,7 +237,8 @@ class SmoothedGradient(Predictor):
                 self.avg[p] = g.clone() if v is None else v.mul_(gamma).add_(g, alpha=1 - gamma)
 
     def direction(self, p):
-        return self.avg.get(p)
+        v = self.avg.get(p)
+        return None if v is None else v / (1.0 - self.smoothing)
 
 
 _BUILTIN = (SGDPredictor, AdamPredictor, RMSpropPredictor, LastUpdate, SmoothedGradient)

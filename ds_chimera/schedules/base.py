@@ -61,7 +61,9 @@ class Schedule:
         raise NotImplementedError
 
     def lower(self) -> Program:
-        return lower(self.name, self.placement, self.orders, self.synchronous)
+        program = lower(self.name, self.placement, self.orders, self.synchronous)
+        program.weights = self.weights_per_rank()
+        return program
 
     def weights_per_rank(self) -> list:
         """Weight copies per rank in stage units; asynchronous schedules add stashed versions."""

@@ -24,6 +24,7 @@ class Program:
     placement: Placement
     ops: list            # ops[rank] -> [Action | CommBatch | GradSync | OptimizerStep]
     synchronous: bool = True
+    weights: list | None = None   # weight copies per rank, where the schedule knows more than the placement
 
     @property
     def num_ranks(self) -> int:

@@ -344,7 +344,7 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
 
     ideal = num_mbs * (costs.fwd + costs.bwd)
     return SimResult(program.name, num_ranks, num_mbs, chunks_per_rank, max(clock) if clock else 0.0,
-                     ideal, busy, peak, placement.weights_per_rank(), errors, deadlock, records,
+                     ideal, busy, peak, program.weights or placement.weights_per_rank(), errors, deadlock, records,
                      sync_records)
 
 

@@ -330,6 +330,8 @@ def async_probe(schedule, n=8, calls=3, **options):
     from deepspeed.pipe import LayerSpec
     from probes import LOG, VersionProbe
     LOG.clear()
+    if schedule == "spectrain":
+        options.setdefault("smoothing", 0.0)     # plain SGD probes: see PROBE_SPECTRAIN in test_pipeoptim
     specs = [LayerSpec(VersionProbe) for _ in range(4)]
     engine = async_engine(schedule, 4, 1, n, specs, lambda p: torch.optim.SGD(p, lr=1.0), **options)
     batches = make_global_batches(n)

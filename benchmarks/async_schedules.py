@@ -1,0 +1,162 @@
+"""Asynchronous schedules (PipeOptim, PipeDream, 2BW, SpecTrain) on the timed model.
+
+    python benchmarks/async_schedules.py            # N = 32 and 64 mini-batches per call
+    python benchmarks/async_schedules.py --quick    # N = 32, fewer repeats
+
+Four CPU ranks (gloo), F = I = W = 20 ms per rank and mini-batch, as benchmarks/schedules.py.
+For each schedule it prints:
+
+- per call: median train_batch time / (N * (F + I + W)), the no-bubble ideal per mini-batch,
+  next to the simulator's prediction for the same program (calibrated costs);
+- steady state: the time between consecutive forwards on the first rank in the middle of
+  the call, over F + I + W, from the runtime's own trace. One call fills and drains the
+  pipeline once (see ds_chimera/runtime/async_engine.py), so this is the throughput of a
+  pipeline that stays full.
+
+In the same run: ds_chimera's synchronous 1f1b with the same N, and DeepSpeed's stock
+TrainSchedule (1F1B) with N = 8 and with the same N, per micro-batch. AdamW everywhere, so
+the prediction's cost is in the numbers. The last line is a JSON object with every row.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from schedules import COST_S, LAYERS, MICRO, calibrate, p2p_latency  # noqa: E402
+
+OURS = [("pipeoptim", {}), ("spectrain", {}), ("pipedream", {}), ("pipedream-2bw", {}), ("1f1b", {})]
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+
+    import deepspeed
+    import ds_chimera  # noqa: F401
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from ds_chimera.sim import Costs, simulate
+    from timed_model import WIDTH, TimedLayer
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layer_s = COST_S * world / LAYERS
+    specs = [LayerSpec(TimedLayer, layer_s, layer_s, layer_s) for _ in range(LAYERS)]
+    latency = p2p_latency(dist, torch, rank)
+    f_s, i_s, w_s = calibrate(torch, TimedLayer, layer_s, LAYERS // world, WIDTH)
+    slot = 3 * COST_S
+    rows = []
+
+    def adamw(p):
+        return torch.optim.AdamW(p, lr=1e-3)
+
+    def config(n, schedule=None, trace_dir=None):
+        cfg = {"train_batch_size": n * MICRO, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10 ** 9,
+               "gradient_clipping": 0.0}
+        if schedule:
+            cfg["pipeline"] = {"schedule": schedule[0], **schedule[1]}
+            if trace_dir:
+                cfg["pipeline"]["trace_dir"] = trace_dir
+        return cfg
+
+    def timed(step, repeats):
+        step()
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            dist.barrier()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def data(n):
+        return [(torch.randn(MICRO, WIDTH), torch.randn(MICRO, WIDTH)) for _ in range(n)]
+
+    trace_root = [tempfile.mkdtemp(prefix="dsc_async_") if rank == 0 else None]
+    dist.broadcast_object_list(trace_root, 0)
+    for n in args.micro_batches:
+        for name, options in OURS:
+            trace_dir = os.path.join(trace_root[0], f"{name}-{n}")
+            net = PipelineModule(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(),
+                                 partition_method="uniform")
+            engine, _, _, _ = deepspeed.initialize(model=net, config=config(n, (name, options), trace_dir),
+                                                   optimizer=adamw)
+            batch = data(n)
+            median = timed(lambda: engine.train_batch(iter(batch)), args.repeats)
+            sim = simulate(engine.plan.program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=latency)).makespan
+            # steady state from this run's last trace: forwards on rank 0 from mini-batch D to N - D
+            starts = sorted(r[4] for r in engine.executor.records if r[1] == "F")
+            steady = None
+            if rank == 0 and n > 3 * world:
+                lo, hi = world, n - world
+                steady = (starts[hi] - starts[lo]) / (hi - lo)
+            holder = [steady]
+            dist.broadcast_object_list(holder, 0)
+            steady = holder[0]
+            row = {"runtime": "ds_chimera", "schedule": name, "N": n, "call_s": median,
+                   "per_minibatch_vs_ideal": median / (n * slot), "sim_vs_ideal": sim / (n * slot),
+                   "measured_vs_sim": median / sim,
+                   "steady_vs_ideal": steady / slot if steady else None,
+                   "weight_versions": engine.weight_versions_held() if hasattr(engine, "weight_versions_held")
+                   else 1}
+            rows.append(row)
+            if rank == 0:
+                print(f"  ds_chimera {name:<14} N={n:<3} per mini-batch {row['per_minibatch_vs_ideal']:6.3f} x ideal "
+                      f"(simulated {row['sim_vs_ideal']:5.3f}; measured/sim {row['measured_vs_sim']:5.3f}); "
+                      f"steady state {row['steady_vs_ideal'] or float('nan'):5.3f} x ideal", flush=True)
+        for stock_n in sorted({8, n}):
+            net = PipelineModule(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+            engine, _, _, _ = deepspeed.initialize(model=net, config=config(stock_n), optimizer=adamw)
+            batch = data(stock_n)
+            median = timed(lambda: engine.train_batch(iter(batch)), args.repeats)
+            rows.append({"runtime": "deepspeed", "schedule": "TrainSchedule (1F1B)", "N": stock_n, "call_s": median,
+                         "per_minibatch_vs_ideal": median / (stock_n * slot)})
+            if rank == 0:
+                print(f"  deepspeed  {'TrainSchedule':<14} N={stock_n:<3} per micro-batch "
+                      f"{median / (stock_n * slot):6.3f} x ideal", flush=True)
+    if rank == 0:
+        with open(args.out, "w") as fh:
+            json.dump(rows, fh)
+        import shutil
+        shutil.rmtree(trace_root[0], ignore_errors=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--micro-batches", type=int, nargs="+")
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--out", default="benchmarks/async_schedules_results.json")
+    args = parser.parse_args()
+    args.micro_batches = args.micro_batches or ([32] if args.quick else [32, 64])
+    args.repeats = args.repeats or (2 if args.quick else 3)
+    if args.worker:
+        return worker(args)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", __file__, "--worker",
+           "--out", args.out, "--repeats", str(args.repeats), "--micro-batches", *map(str, args.micro_batches)]
+    print(f"4 ranks, F = I = W = {COST_S * 1e3:.0f} ms per rank and mini-batch; ideal = F + I + W per mini-batch",
+          flush=True)
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith(("  ds_chimera", "  deepspeed")) or "Error" in line:
+            print(line, flush=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-5000:])
+        return proc.returncode
+    rows = json.load(open(args.out))
+    print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

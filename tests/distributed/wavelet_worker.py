@@ -1,0 +1,104 @@
+"""Wavelet on 4 CPU processes: 2 devices x 2 waves.
+
+    torchrun --nproc_per_node 4 wavelet_worker.py OUT.json        # equivalence run
+    (4 plain processes with DIE_RANK set)  wavelet_worker.py dead TIMEOUT
+
+Every task trains the same small MLP on its own samples; after ``drain()`` rank 0 compares
+the model with the documented recurrence (ds_chimera.wavelet.wavelet_reference) and with
+synchronous data parallelism on the same samples.
+"""
+import copy
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as tdist
+
+import deepspeed
+import ds_chimera  # noqa: F401
+from ds_chimera.wavelet import wavelet_reference
+
+WIDTH, MICRO, LR = 8, 2, 0.05
+
+
+def make_model():
+    torch.manual_seed(7)
+    return torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, WIDTH))
+
+
+def batch(wave, device, step):
+    g = torch.Generator().manual_seed(1000 * wave + 100 * device + step)
+    return torch.randn(MICRO, WIDTH, generator=g), torch.randn(MICRO, WIDTH, generator=g)
+
+
+def make_opt(params):
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def engine_for(timeout, offset=0.5):
+    cfg = {"train_batch_size": MICRO * tdist.get_world_size(), "train_micro_batch_size_per_gpu": MICRO,
+           "gradient_clipping": 0.0, "steps_per_print": 10 ** 6,
+           "wavelet": {"enabled": True, "timeout": timeout, "offset": offset}}
+    engine, _, _, _ = deepspeed.initialize(model=make_model(), config=cfg, optimizer=make_opt)
+    return engine
+
+
+def train(engine, steps, die_rank=None):
+    layout = engine.layout
+    for step in range(steps):
+        if die_rank is not None and step == 2 and tdist.get_rank() == die_rank:
+            os._exit(17)        # a crash: no exception, no clean-up
+        x, y = batch(layout.wave, layout.device, step)
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+    engine.drain()
+
+
+def equivalence(out_path, steps=4):
+    engine = engine_for(60)
+    train(engine, steps)
+    mine = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
+    gathered = [torch.zeros_like(mine) for _ in range(tdist.get_world_size())]
+    tdist.all_gather(gathered, mine)
+    if tdist.get_rank() == 0:
+        devices = tdist.get_world_size() // 2
+        ref = make_model()
+        wavelet_reference(ref, make_opt, torch.nn.functional.mse_loss,
+                          lambda wave, step: [batch(wave, d, step) for d in range(devices)], steps)
+        ref_flat = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+        sync = make_model()                     # synchronous data parallel: both waves' samples, one update a step
+        opt = make_opt(sync.parameters())
+        for step in range(2 * steps):            # as many updates, each over the same half of the samples
+            wave, j = step % 2, step // 2
+            opt.zero_grad()
+            for d in range(devices):
+                x, y = batch(wave, d, j)
+                (torch.nn.functional.mse_loss(sync(x), y) / devices).backward()
+            opt.step()
+        sync_flat = torch.cat([p.detach().reshape(-1) for p in sync.parameters()])
+        result = {"max_diff_reference": max((g - ref_flat).abs().max().item() for g in gathered),
+                  "max_diff_between_tasks": max((g - gathered[0]).abs().max().item() for g in gathered),
+                  "max_diff_sync": (gathered[0] - sync_flat).abs().max().item(),
+                  "global_steps": engine.global_steps, "updates": 2 * steps,
+                  "waves": {"tick": engine.layout.wave_ranks(0), "tock": engine.layout.wave_ranks(1)}}
+        with open(out_path + ".tmp", "w") as fh:
+            json.dump(result, fh)
+        os.replace(out_path + ".tmp", out_path)
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
+def dead(timeout):
+    engine = engine_for(timeout)
+    train(engine, 5, die_rank=int(os.environ["DIE_RANK"]))
+    print("finished all steps", flush=True)
+
+
+if __name__ == "__main__":
+    deepspeed.init_distributed(dist_backend="gloo")
+    if sys.argv[1] == "dead":
+        dead(float(sys.argv[2]))
+    else:
+        equivalence(sys.argv[1])

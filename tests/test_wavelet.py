@@ -1,0 +1,110 @@
+"""Wavelet: layout, memory model, options, and the tick-tock engine on 4 CPU processes."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from netutil import free_port
+
+from ds_chimera.sim.memory import TaskMemory, wavelet_memory
+from ds_chimera.wavelet import TICK, TOCK, WaveLayout, wavelet_reference
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed", "wavelet_worker.py")
+
+
+def test_layout_pairs_each_tick_task_with_the_tock_task_on_its_device():
+    tasks = [WaveLayout(r, 8, 4) for r in range(8)]          # 2 nodes x 2 devices x 2 waves
+    assert [t.wave for t in tasks] == [TICK, TICK, TOCK, TOCK] * 2
+    assert [t.device for t in tasks] == [0, 1, 0, 1] * 2
+    assert [t.partner for t in tasks] == [2, 3, 0, 1, 6, 7, 4, 5]
+    assert tasks[0].wave_ranks(TICK) == [0, 1, 4, 5] and tasks[0].wave_ranks(TOCK) == [2, 3, 6, 7]
+    with pytest.raises(ValueError, match="ranks per node \\(3\\) must be even"):
+        WaveLayout(0, 3, 3)
+
+
+def test_memory_model_offset_waves_peak_below_gang_scheduling():
+    # B = 2F: at tick's peak the tock task is three quarters through its backward
+    task = TaskMemory(static=1.0, activations=4.0, fwd=1.0, bwd=2.0)
+    m = wavelet_memory(task)
+    assert m["gang"] == 2 * 1.0 + 2 * 4.0
+    assert m["offset_waves"] == pytest.approx(2 * 1.0 + 1.25 * 4.0)
+    assert m["doubled_batch"] == 1.0 + 2 * 4.0
+    assert m["one_task"] == 5.0
+    # F = B: the two triangles interleave exactly, the activations never exceed one task's
+    assert wavelet_memory(TaskMemory(0.0, 1.0, 1.0, 1.0))["offset_waves"] == pytest.approx(1.0)
+    assert task.two_tasks_peak(0.0) == m["gang"]
+    with pytest.raises(ValueError, match="activations must be a number >= 0"):
+        TaskMemory(1.0, -1.0)
+
+
+def test_wavelet_options_are_checked_before_any_work():
+    from ds_chimera.wavelet.engine import wavelet_options
+    assert wavelet_options({"wavelet": {"enabled": True}}) == {"offset": 0.5, "timeout": 300.0}
+    with pytest.raises(ValueError, match="'waves' is not understood; allowed: enabled, offset, timeout"):
+        wavelet_options({"wavelet": {"enabled": True, "waves": 3}})
+    with pytest.raises(ValueError, match=r"offset.*in \[0, 1\), got 1.5"):
+        wavelet_options({"wavelet": {"offset": 1.5}})
+    with pytest.raises(ValueError, match="wavelet with ZeRO stage 1"):
+        wavelet_options({"wavelet": {}, "zero_optimization": {"stage": 1}})
+    with pytest.raises(ValueError, match="wavelet with bf16"):
+        wavelet_options({"wavelet": {}, "bf16": {"enabled": True}})
+
+
+def test_reference_recurrence_is_one_update_stale():
+    """W(n) = W(n-1) - lr g(W(n-2)): checked on a 1-d quadratic, by hand."""
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    x, y = torch.ones(1, 1), torch.zeros(1, 1)       # loss = w^2, gradient 2w
+    wavelet_reference(model, lambda p: torch.optim.SGD(p, lr=0.1), torch.nn.functional.mse_loss,
+                      lambda wave, step: [(x, y)], steps=2)
+    w = [1.0, 1.0]                                   # W(-1) = W(0) = 1
+    for _ in range(4):
+        w.append(w[-1] - 0.1 * 2 * w[-2])
+    assert model.weight.item() == pytest.approx(w[-1])
+
+
+def _env(extra=None):
+    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra or {}))
+
+
+def test_engine_equals_the_documented_recurrence(tmp_path):
+    out = tmp_path / "wavelet.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+           str(free_port()), WORKER, str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
+    r = json.loads(out.read_text())
+    assert r["waves"] == {"tick": [0, 1], "tock": [2, 3]}
+    assert r["max_diff_between_tasks"] == 0.0        # one model on all four tasks
+    assert r["max_diff_reference"] <= 1e-6           # exactly the staleness-1 recurrence
+    assert r["max_diff_sync"] > 1e-3                 # and measurably not synchronous training
+    assert r["global_steps"] == r["updates"]         # every task applied every update of both waves
+
+
+def test_dead_task_stops_the_others():
+    timeout_s, port, procs = 5, free_port(), []
+    for rank in range(4):
+        env = _env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DIE_RANK": "3"})
+        procs.append(subprocess.Popen([sys.executable, WORKER, "dead", str(timeout_s)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    start, outputs = time.monotonic(), []
+    for proc in procs:
+        try:
+            outputs.append((proc.returncode,) + proc.communicate(timeout=180))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail("a surviving task hung after its peer died")
+        outputs[-1] = (proc.returncode,) + outputs[-1][1:]
+    assert outputs[3][0] == 17
+    for rank in (0, 1, 2):
+        code, out, err = outputs[rank]
+        assert code != 0 and "finished all steps" not in out
+        assert "ds_chimera wavelet:" in err and "a task died or is stuck" in err, err[-3000:]
+    assert time.monotonic() - start < 90 + 4 * timeout_s
