@@ -8,6 +8,13 @@ import importlib.util
 import os
 import sys
 
+# ds-chimera launch --wavelet: two tasks per device, so local ranks 0..2N-1 map onto N devices.
+# Not on CPU: there is no device to share, and DeepSpeed's CPU shared-memory collectives key on LOCAL_RANK.
+if os.environ.get("DS_CHIMERA_WAVELET") == "1" and os.environ.get("DS_CHIMERA_DEVICES_PER_NODE", "").isdigit() \
+        and os.environ.get("DS_ACCELERATOR") != "cpu":
+    if os.environ.get("LOCAL_RANK", "").isdigit():
+        os.environ["LOCAL_RANK"] = str(int(os.environ["LOCAL_RANK"]) % int(os.environ["DS_CHIMERA_DEVICES_PER_NODE"]))
+
 try:
     import ds_chimera  # noqa: F401
 except Exception as exc:  # never break interpreter start-up

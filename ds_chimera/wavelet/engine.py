@@ -77,6 +77,10 @@ class WaveletEngine(DeepSpeedEngine):
         self.wave_group = groups[self.layout.wave]
         self.wave_size = len(self.layout.wave_ranks(self.layout.wave))
         self.enable_backward_allreduce = False    # the wave's all-reduce happens in the update instead
+        # DeepSpeed's fp32 clipping all-reduces the norm over every rank, but a wave updates alone;
+        # every task holds the same averaged gradient, so each clips locally to the same result.
+        self.clip = float(self.gradient_clipping() or 0.0)
+        self._config.gradient_clipping = 0.0
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.own_steps = 0
         self.partner_grad = None
@@ -140,6 +144,8 @@ class WaveletEngine(DeepSpeedEngine):
                 p.grad = g.to(p.dtype).clone()
             else:
                 p.grad.copy_(g)
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
 
     def _send_partner(self, flat: torch.Tensor, cycle: float) -> None:
         if self.pending_send is not None:
