@@ -16,15 +16,18 @@ So each wave's step sees the other wave's latest update but one, which is still 
 computed: a staleness of exactly one update, as in PipeDream-2BW. A ``step()`` call applies
 two updates (the partner's, then its own), and ``global_steps`` counts both.
 
-The launch offset: the tock wave's first forward waits until the tick wave has finished its
-first step (and passed its gradient), then waits half of that step's duration more. After
-that the exchange keeps the waves interleaved: each needs the other's previous gradient at
-the end of its step.
+Timing: the tock wave's step m starts ``offset`` (default half) of a cycle after the tick
+wave's step m. That is the only feasible relation, because tock step m ends by applying tick
+step m's gradient and tick step m+1 ends by applying tock step m's. The first tock step
+waits for the tick's start signal. Each later step waits, if it would start early, for the
+target computed from the partner's reported step starts, which keeps the offset where
+timing noise would let it drift.
 """
 from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 from datetime import timedelta
 
@@ -83,9 +86,14 @@ class WaveletEngine(DeepSpeedEngine):
         self._config.gradient_clipping = 0.0
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.own_steps = 0
-        self.partner_grad = None
+        self.partner_starts: list = []            # starts of the partner's steps, from its messages
+        epoch = torch.tensor([time.time()], dtype=torch.float64)
+        dist.broadcast(epoch, 0)                  # step times travel as float32 seconds since this shared epoch
+        self.epoch = float(epoch)
         self.pending_send = None
         self.step_starts: list = []               # wall-clock start of each step (first forward after a step)
+        self.work_times: list = []                # each step's duration from its start to its update
+        self.last_wait = 0.0                      # seconds the last step waited to keep the offset
         self._step_open = False
         if dist.get_rank() == 0:
             print(f"[ds_chimera] wavelet: {self.layout.world // 2} devices x 2 waves, offset "
@@ -97,35 +105,76 @@ class WaveletEngine(DeepSpeedEngine):
 
     # ---- timing of the waves -----------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
-        if not self._step_open:
+        opening = not self._step_open and self.module.training
+        if opening:
             self._step_open = True
-            if self.layout.wave != TICK and self.own_steps == 0 and self.module.training:
+            self.last_wait = 0.0
+            if self.layout.wave != TICK and self.own_steps == 0:
                 self._launch_offset()
+            else:
+                self._keep_offset()
             self.step_starts.append(time.time())
-        return super().forward(*inputs, **kwargs)
+        out = super().forward(*inputs, **kwargs)
+        if opening and self.layout.wave == TICK and self.own_steps == 0:
+            # tell the tock task when this first step started and how long its forward took
+            signal = torch.tensor([self.step_starts[-1] - self.epoch, time.time() - self.step_starts[-1]],
+                                  dtype=torch.float32, device=self.device)
+            self._send(signal)
+        return out
 
     def _launch_offset(self) -> None:
-        """Tock's first step: start ``offset`` of a cycle after the tick wave's second step starts."""
-        self.partner_grad, cycle = self._recv_partner()
-        if self.wavelet["offset"] > 0:
-            time.sleep(self.wavelet["offset"] * cycle)
+        """Tock's first step starts ``offset`` of a cycle after the tick wave's first step.
+
+        The cycle is not measured yet: it is taken as 3x the tick's first forward (a backward
+        of about 2F). From then on :meth:`_keep_offset` holds the measured offset.
+        """
+        signal = torch.empty(2, dtype=torch.float32, device=self.device)
+        self._wait(dist.irecv(signal, self.layout.partner),
+                   f"the tick wave's start signal from task {self.layout.partner} (same device)")
+        tick_start, tick_fwd = float(signal[0]) + self.epoch, float(signal[1])
+        self.last_wait = max(0.0, tick_start + self.wavelet["offset"] * 3 * tick_fwd - time.time())
+        if self.last_wait > 0:
+            time.sleep(self.last_wait)
+
+    def _keep_offset(self) -> None:
+        """Delay this step if it would start early for the offset, measured from the partner's steps.
+
+        The target is s_tock(m) = s_tick(m) + offset * P, P the cycle. That is the only feasible
+        relation: tock step m ends by applying tick step m's gradient and tick step m+1 ends by
+        applying tock step m's. At its step j+1, the tick task knows s_tock(j-1) from its last message
+        and aims at s_tock(j-1) + (2 - offset) * P. The tock task knows s_tick(j) and aims at
+        s_tick(j) + (1 + offset) * P. Only the early wave waits, so the waves drift back to the
+        offset. P is the median of the partner's last periods, so one wait does not feed back into
+        the next target.
+        """
+        starts = self.partner_starts[-5:]
+        if len(starts) < 2:
+            return
+        period = statistics.median(b - a for a, b in zip(starts, starts[1:]))
+        offset = self.wavelet["offset"]
+        ahead = (2 - offset) if self.layout.wave == TICK else (1 + offset)
+        delay = starts[-1] + ahead * period - time.time()
+        if delay > 0:
+            delay = min(delay, period)
+            time.sleep(delay)
+            self.last_wait = delay
 
     # ---- the update pair -----------------------------------------------------------------------
     def _take_model_step(self, lr_kwargs):
         own = self._wave_average()
         if self.layout.wave == TICK and self.own_steps == 0:
             partner = None                          # U1: nothing from the tock wave yet
-        elif self.partner_grad is not None:
-            partner, self.partner_grad = self.partner_grad, None
         else:
-            partner, _ = self._recv_partner()
+            partner, _, start = self._recv_partner()
+            self.partner_starts.append(start)
         if partner is not None:
             self._load_grads(partner)
             super()._take_model_step(lr_kwargs)
         self._load_grads(own)
         super()._take_model_step(lr_kwargs)
-        cycle = time.time() - self.step_starts[-1] if self.step_starts else 0.0
-        self._send_partner(own, cycle)
+        start = self.step_starts[-1] if self.step_starts else time.time()
+        self.work_times.append(time.time() - start)
+        self._send_partner(own, self.work_times[-1], start)
         self.own_steps += 1
         self._step_open = False
 
@@ -147,20 +196,24 @@ class WaveletEngine(DeepSpeedEngine):
         if self.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)
 
-    def _send_partner(self, flat: torch.Tensor, cycle: float) -> None:
+    def _send_partner(self, flat: torch.Tensor, cycle: float, start: float) -> None:
+        """The wave's averaged gradient, plus this step's duration and start (for the offset)."""
+        self._send(torch.cat([flat, torch.tensor([cycle, start - self.epoch], dtype=flat.dtype, device=flat.device)]))
+
+    def _send(self, payload: torch.Tensor) -> None:
+        """Post a send to the partner; the previous one must be complete (one buffer in flight)."""
         if self.pending_send is not None:
-            self._wait(self.pending_send, f"the previous gradient send to task {self.layout.partner}")
-        payload = torch.cat([flat, torch.tensor([cycle], dtype=flat.dtype, device=flat.device)])
+            self._wait(self.pending_send, f"the previous send to task {self.layout.partner}")
         self._send_buffer = payload                # keep it alive until the send completes
         self.pending_send = dist.isend(payload, self.layout.partner)
 
     def _recv_partner(self) -> tuple:
         numel = sum(p.numel() for p in self.params)
-        buf = torch.empty(numel + 1, dtype=torch.float32, device=self.device)
+        buf = torch.empty(numel + 2, dtype=torch.float32, device=self.device)
         other = "tock" if self.layout.wave == TICK else "tick"
         self._wait(dist.irecv(buf, self.layout.partner),
                    f"the {other} wave's gradient from task {self.layout.partner} (same device)")
-        return buf[:numel], float(buf[numel])
+        return buf[:numel], float(buf[numel]), float(buf[numel + 1]) + self.epoch
 
     def _wait(self, work, what: str) -> None:
         start = time.monotonic()
@@ -177,7 +230,7 @@ class WaveletEngine(DeepSpeedEngine):
         if self.own_steps == 0:
             return
         if self.layout.wave == TICK:
-            partner, _ = self._recv_partner()
+            partner, _, _ = self._recv_partner()
             self._load_grads(partner)
             super()._take_model_step(None)
         if self.pending_send is not None:
@@ -185,6 +238,8 @@ class WaveletEngine(DeepSpeedEngine):
             self.pending_send = None
         self.own_steps = 0          # the next step starts a new tick-tock sequence, launch offset included
         self.step_starts.clear()
+        self.work_times.clear()
+        self.partner_starts.clear()
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
                         exclude_frozen_parameters=False):
