@@ -30,7 +30,9 @@ OTHER = ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv", "actckpt-4x1-chime
 ASYNC_OPTIONS = {"pipeoptim-code": {"steps_ahead": "code"}, "pipeoptim-last": {"predictor": "last-update"}}
 ASYNC_KEYS = ["pipedream", "pipedream-2bw", "pipeoptim", "spectrain", "pipeoptim-code", "pipeoptim-last"]
 ASYNC = ([f"async-{topo}-{k}" for topo in ("4x1", "2x2") for k in ASYNC_KEYS] + [f"async-probe-{k}" for k in ASYNC_KEYS]
-         + ["async-ckpt-resume-pipeoptim", "async-ckpt-resume-2x2-pipedream"])
+         + ["async-ckpt-resume-pipeoptim", "async-ckpt-resume-2x2-pipedream"]
+         + ["async-bf16-4x1-pipeoptim", "async-bf16-4x1-spectrain", "async-bf16-2x2-pipedream",
+            "async-bf16-probe-pipeoptim", "async-bf16-probe-pipedream-2bw"])
 OTHER += ASYNC
 
 
@@ -144,6 +146,26 @@ def test_per_step_trace_of_what_each_rank_ran(results, scenario, kinds):
 
 
 # ---- asynchronous schedules (PipeOptim, PipeDream, 2BW, SpecTrain) --------------------------------------
+@pytest.mark.parametrize("scenario", ["async-bf16-4x1-pipeoptim", "async-bf16-4x1-spectrain",
+                                      "async-bf16-2x2-pipedream"])
+def test_async_bf16_through_deepspeeds_bf16_optimizer(results, scenario):
+    """bf16 weights, fp32 master weights and state (predictions read them): fp32 training to bf16 rounding."""
+    r = results[scenario]
+    assert r["max_param_diff"] < 5e-3
+    assert all(abs(a - b) <= 5e-3 * abs(b) for a, b in zip(r["losses"], r["ref_losses"]))
+    assert r["versions_held"] == ([2, 2, 2, 1] if "4x1" in scenario else [2, 2, 1, 1])
+
+
+@pytest.mark.parametrize("name", ["pipeoptim", "pipedream-2bw"])
+def test_async_bf16_weight_versions(results, name):
+    from test_pipeoptim import expected_versions, observed_versions
+
+    from ds_chimera.schedules import registry
+    r = results[f"async-bf16-probe-{name}"]
+    schedule = registry.build(name, 4, r["n"])
+    assert observed_versions([tuple(e) for e in r["log"]], schedule) == expected_versions(schedule, r["calls"])
+
+
 @pytest.mark.parametrize("scenario", [s for s in ASYNC if s.startswith(("async-4x1", "async-2x2"))])
 def test_async_engine_equals_the_single_process_pipeline(results, scenario):
     """Same global mini-batches, same per-stage clipping: the distributed engine and LocalPipeline agree."""
@@ -189,7 +211,7 @@ def test_async_checkpoint_resume_is_exact(results, scenario, files):
 @pytest.mark.parametrize("scenario,message", [
     ("bad-async-tied", "weights tied across layers (TiedLayerSpec) would diverge"),
     ("bad-async-actckpt", "activation_checkpoint_interval=1: recomputation in the backward would see the live"),
-    ("bad-async-bf16", "schedule 'spectrain' with bf16"),
+    ("bad-async-bf16", "schedule 'spectrain' with bf16 and data parallelism: DeepSpeed's BF16_Optimizer shards"),
     ("bad-async-steps-ahead", "steps_ahead must be 'paper' (s = D-1-k), 'code' (s = D-k) or an integer >= 0; got 'later'"),
 ])
 def test_bad_async_config_fails_at_initialize(results, scenario, message):

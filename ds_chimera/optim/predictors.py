@@ -29,8 +29,18 @@ class Predictor:
     stateful: tuple = ()       # attributes holding {param: tensor}, saved with checkpoints
 
     def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
+        self.optimizer = optimizer          # a torch optimizer, or a view with master_value/master_grad
         self.group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
+
+    def value(self, p: torch.Tensor) -> torch.Tensor:
+        """The weights the optimizer updates: ``p`` itself, or its fp32 master copy (bf16)."""
+        get = getattr(self.optimizer, "master_value", None)
+        return p.detach() if get is None else get(p)
+
+    def grad(self, p: torch.Tensor):
+        """The gradient the optimizer will read for ``p`` (fp32 under bf16), or None."""
+        get = getattr(self.optimizer, "master_grad", None)
+        return p.grad if get is None else get(p)
 
     def _param_list(self) -> list:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -67,16 +77,17 @@ class Predictor:
         delta = self.direction(p)
         if delta is None:
             return p
-        return p - self.group_of[p]["lr"] * steps * delta
+        return self.value(p) - self.group_of[p]["lr"] * steps * delta
 
     def _grad_plus_l2(self, p: torch.Tensor, group: dict):
         """The gradient as torch's SGD/RMSprop/Adam see it: g + weight_decay * W (coupled L2)."""
-        g = p.grad
+        g = self.grad(p)
         if g is None:
             return None
-        g = g.detach().to(p.dtype)
+        w = self.value(p)
+        g = g.detach().to(w.dtype)
         wd = group.get("weight_decay", 0.0)
-        return g + wd * p.detach() if wd else g.clone()
+        return g + wd * w if wd else g.clone()
 
 
 class SGDPredictor(Predictor):
@@ -136,16 +147,17 @@ class AdamPredictor(Predictor):
         return (m / bc1) / ((v / bc2).sqrt() + group["eps"])
 
     def _decoupled(self, p) -> float:
-        return self.group_of[p].get("weight_decay", 0.0) if isinstance(self.optimizer, torch.optim.AdamW) else 0.0
+        return self.group_of[p].get("weight_decay", 0.0) if isinstance(inner(self.optimizer), torch.optim.AdamW) \
+            else 0.0
 
     @torch.no_grad()
     def predict(self, p, steps):
         delta = self.direction(p) if steps else None
         if delta is None:
             return p
-        lr, wd = self.group_of[p]["lr"], self._decoupled(p)
-        out = p - lr * steps * delta
-        return out - lr * wd * steps * p if wd else out
+        lr, wd, w = self.group_of[p]["lr"], self._decoupled(p), self.value(p)
+        out = w - lr * steps * delta
+        return out - lr * wd * steps * w if wd else out
 
 
 class RMSpropPredictor(Predictor):
@@ -194,14 +206,14 @@ class LastUpdate(Predictor):
         self.before, self.delta = {}, {}
 
     def before_step(self):
-        self.before = {p: p.detach().clone() for group in self.optimizer.param_groups for p in group["params"]
-                       if p.grad is not None}
+        self.before = {p: self.value(p).clone() for group in self.optimizer.param_groups for p in group["params"]
+                       if self.grad(p) is not None}
 
     def after_step(self):
         for p, old in self.before.items():
             lr = self.group_of[p]["lr"]
             if lr:
-                self.delta[p] = (old - p.detach()) / lr
+                self.delta[p] = (old - self.value(p)) / lr
         self.before = {}
 
     def direction(self, p):
@@ -230,15 +242,21 @@ class SmoothedGradient(Predictor):
         gamma = self.smoothing
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is None:
+                g = self.grad(p)
+                if g is None:
                     continue
-                g = p.grad.detach().to(p.dtype)
+                g = g.detach().float()
                 v = self.avg.get(p)
                 self.avg[p] = g.clone() if v is None else v.mul_(gamma).add_(g, alpha=1 - gamma)
 
     def direction(self, p):
         v = self.avg.get(p)
         return None if v is None else v / (1.0 - self.smoothing)
+
+
+def inner(optimizer):
+    """The torch optimizer behind a view (bf16 master weights), for choosing by class."""
+    return getattr(optimizer, "inner", optimizer)
 
 
 _BUILTIN = (SGDPredictor, AdamPredictor, RMSpropPredictor, LastUpdate, SmoothedGradient)
@@ -281,18 +299,18 @@ def make_predictor(optimizer, choice: str = "auto", **kwargs) -> Predictor:
     table = available()
     if choice == "auto":
         for opt_cls, cls in _by_optimizer():
-            if isinstance(optimizer, opt_cls):
+            if isinstance(inner(optimizer), opt_cls):
                 return cls(optimizer, **kwargs)
-        if type(optimizer) not in _WARNED:
-            _WARNED.add(type(optimizer))
+        if type(inner(optimizer)) not in _WARNED:
+            _WARNED.add(type(inner(optimizer)))
             log.warning("ds_chimera: no weight predictor knows %s; using 'last-update', which keeps one "
-                        "extra weight copy to measure each update", type(optimizer).__name__)
+                        "extra weight copy to measure each update", type(inner(optimizer)).__name__)
         return LastUpdate(optimizer, **kwargs)
     if choice not in table:
         raise ValueError(f"unknown weight predictor {choice!r}; available: auto, {', '.join(sorted(table))}")
     cls = table[choice]
     if cls.optimizers and torch.optim.Optimizer not in cls.optimizers and \
-            not isinstance(optimizer, cls.optimizers):
+            not isinstance(inner(optimizer), cls.optimizers):
         raise ValueError(f"predictor {choice!r} reads the state of {[c.__name__ for c in cls.optimizers]}, "
-                         f"not of {type(optimizer).__name__}; use 'auto' or 'last-update'")
+                         f"not of {type(inner(optimizer)).__name__}; use 'auto' or 'last-update'")
     return cls(optimizer, **kwargs)

@@ -85,7 +85,8 @@ class WeightVersions:
         predicted = {}
         for n, p in self.params.items():
             w_hat = self.predictor.predict(p, steps_ahead)
-            predicted[n] = p if w_hat is p else p + (w_hat - p.detach()).detach()
+            # W_hat may be fp32 (a bf16 model's master weights): the forward runs in the model's dtype
+            predicted[n] = p if w_hat is p else p + (w_hat.to(p.dtype) - p.detach()).detach()
         if any(t is not self.params[n] for n, t in predicted.items()):
             self.peak_versions = max(self.peak_versions, 2)
         # The live parameters are hooked too: with no update direction known yet (the first

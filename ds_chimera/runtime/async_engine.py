@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from ..optim.bf16 import BF16MasterView
 from ..optim.predictors import SmoothedGradient, make_predictor
 from ..optim.versions import WeightVersions
 from .engine import ScheduledPipelineEngine
@@ -38,10 +39,12 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
         self.record_versions = False
         self.predictor = None
         if schedule.weight_policy == "predict":
+            # under bf16 the predictor reads the fp32 master weights and state behind the bf16 parameters
+            optimizer = BF16MasterView(self.optimizer, self._hp_grads) if self.using_bf16_optimizer else self.optimizer
             if schedule.name == "spectrain":
-                self.predictor = SmoothedGradient(self.optimizer, schedule.config["smoothing"])
+                self.predictor = SmoothedGradient(optimizer, schedule.config["smoothing"])
             else:
-                self.predictor = make_predictor(self.optimizer, schedule.config["predictor"])
+                self.predictor = make_predictor(optimizer, schedule.config["predictor"])
         self.weight_versions = {c: WeightVersions(chunk, schedule.weight_policy, self.predictor)
                                 for c, chunk in self.chunk_modules.items()}
         self._gaps = {key: schedule.steps_ahead(*key) for key in schedule.versions()
@@ -72,9 +75,17 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
     def _clip_stage(self) -> None:
         if self.true_clip <= 0:
             return
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        if params:
-            self._global_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.true_clip))
+        if self._hp_grads:        # bf16: the fp32 gradients the optimizer will read
+            grads = list(self._hp_grads.values())
+        else:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if grads:
+            norm = torch.linalg.vector_norm(torch.stack([g.detach().float().norm() for g in grads]))
+            self._global_grad_norm = float(norm)
+            coef = self.true_clip / (self._global_grad_norm + 1e-6)
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
 
     # ---- a call ----------------------------------------------------------------------------
     def train_batch(self, data_iter=None):

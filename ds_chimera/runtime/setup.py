@@ -98,9 +98,10 @@ def _check_async_setup(module, plan, config: dict, zero: int) -> None:
         raise ValueError(f"schedule {name!r} with ZeRO stage {zero}: weight prediction and stashing need each "
                          f"stage's full optimizer state; use ZeRO stage 0")
     bf16 = config.get("bf16") or config.get("bfloat16") or {}
-    if bf16.get("enabled"):
-        raise ValueError(f"schedule {name!r} with bf16: DeepSpeed's BF16_Optimizer keeps weights and optimizer "
-                         f"state in flat fp32 partitions that the weight versions do not map yet; use fp32")
+    if bf16.get("enabled") and plan.schedule.weight_policy == "predict" and module._grid.data_parallel_size > 1:
+        raise ValueError(f"schedule {name!r} with bf16 and data parallelism: DeepSpeed's BF16_Optimizer shards the "
+                         f"fp32 master weights over data-parallel ranks, and weight prediction needs whole ones; "
+                         f"use data-parallel size 1, fp32, or a stashing schedule (pipedream, pipedream-2bw)")
 
 
 def _refuse_cross_rank_ties(module, plan) -> None:

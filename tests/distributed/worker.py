@@ -242,9 +242,9 @@ def bad_config(kind):
         elif kind == "async-actckpt":
             make_engine(4, config("pipedream", 8, 1), specs, activation_checkpoint_interval=1)
         elif kind == "async-bf16":
-            cfg = config("spectrain", 8, 1)
+            cfg = config("spectrain", 4, 2)
             cfg["bf16"] = {"enabled": True}
-            make_engine(4, cfg, specs)
+            make_engine(2, cfg, specs)
         elif kind == "async-steps-ahead":
             make_engine(4, config("pipeoptim", 8, 1, steps_ahead="later"), specs)
         elif kind == "zero2":
@@ -289,23 +289,26 @@ def traced_step(schedule, n=8):
     return {"files": out}
 
 
-def async_engine(schedule, stages, dp, n, specs, optimizer, clip=0.0, **options):
+def async_engine(schedule, stages, dp, n, specs, optimizer, clip=0.0, bf16=False, **options):
     net = PipelineModule(layers=specs, num_stages=stages, loss_fn=torch.nn.MSELoss(), partition_method="uniform",
                          seed_layers=True, base_seed=BASE_SEED)
-    engine, _, _, _ = deepspeed.initialize(model=net, config=config(schedule, n, dp, clip, **options),
-                                           optimizer=optimizer)
+    cfg = config(schedule, n, dp, clip, **options)
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    engine, _, _, _ = deepspeed.initialize(model=net, config=cfg, optimizer=optimizer)
     return engine
 
 
-def async_versus_local(schedule, stages, dp, n, calls=2, **options):
-    """The asynchronous engine against LocalPipeline (one process) on the same global mini-batches."""
+def async_versus_local(schedule, stages, dp, n, calls=2, bf16=False, **options):
+    """The asynchronous engine against LocalPipeline (one process, fp32) on the same global mini-batches."""
     from ds_chimera.runtime.local import LocalPipeline
     from ds_chimera.schedules import registry
     specs = mlp_specs(16)
     make_opt = lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9)  # noqa: E731
-    engine = async_engine(schedule, stages, dp, n, specs, make_opt, clip=0.5, **options)
+    engine = async_engine(schedule, stages, dp, n, specs, make_opt, clip=0.5, bf16=bf16, **options)
     global_batches = make_global_batches(n * dp)
-    losses = [engine.train_batch(iter(my_batches(engine, global_batches, s, n))).item() for s in range(calls)]
+    cast = (lambda b: [(x.bfloat16(), y.bfloat16()) for x, y in b]) if bf16 else (lambda b: b)
+    losses = [engine.train_batch(iter(cast(my_batches(engine, global_batches, s, n)))).item() for s in range(calls)]
     ref_layers = build_reference(specs)
     parts = engine.plan.parts
     stage_modules = [torch.nn.Sequential(*ref_layers[parts[k]:parts[k + 1]]) for k in range(stages)]
@@ -325,7 +328,7 @@ def async_versus_local(schedule, stages, dp, n, calls=2, **options):
             "global_steps": engine.global_steps}
 
 
-def async_probe(schedule, n=8, calls=3, **options):
+def async_probe(schedule, n=8, calls=3, bf16=False, **options):
     """Instrumented run: the weight version every forward and backward sees, on every rank."""
     from deepspeed.pipe import LayerSpec
     from probes import LOG, VersionProbe
@@ -333,10 +336,11 @@ def async_probe(schedule, n=8, calls=3, **options):
     if schedule == "spectrain":
         options.setdefault("smoothing", 0.0)     # plain SGD probes: see PROBE_SPECTRAIN in test_pipeoptim
     specs = [LayerSpec(VersionProbe) for _ in range(4)]
-    engine = async_engine(schedule, 4, 1, n, specs, lambda p: torch.optim.SGD(p, lr=1.0), **options)
+    engine = async_engine(schedule, 4, 1, n, specs, lambda p: torch.optim.SGD(p, lr=1.0), bf16=bf16, **options)
     batches = make_global_batches(n)
+    cast = (lambda b: [(x.bfloat16(), y.bfloat16()) for x, y in b]) if bf16 else (lambda b: b)
     for s in range(calls):
-        engine.train_batch(iter(batches(s)))
+        engine.train_batch(iter(cast(batches(s))))
     gathered = [None] * tdist.get_world_size()
     tdist.all_gather_object(gathered, [list(e) for e in LOG])
     return {"log": [e for part in gathered for e in part], "calls": calls, "n": n}
@@ -350,6 +354,12 @@ for key, opts in ASYNC.items():
     SCENARIOS[f"async-4x1-{key}"] = (lambda name=name, opts=opts: async_versus_local(name, 4, 1, 8, **opts))
     SCENARIOS[f"async-2x2-{key}"] = (lambda name=name, opts=opts: async_versus_local(name, 2, 2, 4, **opts))
     SCENARIOS[f"async-probe-{key}"] = (lambda name=name, opts=opts: async_probe(name, **opts))
+# bf16 through DeepSpeed's BF16_Optimizer: predictions from the fp32 master weights and state
+SCENARIOS["async-bf16-4x1-pipeoptim"] = lambda: async_versus_local("pipeoptim", 4, 1, 8, bf16=True)
+SCENARIOS["async-bf16-4x1-spectrain"] = lambda: async_versus_local("spectrain", 4, 1, 8, bf16=True)
+SCENARIOS["async-bf16-2x2-pipedream"] = lambda: async_versus_local("pipedream", 2, 2, 4, bf16=True)
+SCENARIOS["async-bf16-probe-pipeoptim"] = lambda: async_probe("pipeoptim", bf16=True)
+SCENARIOS["async-bf16-probe-pipedream-2bw"] = lambda: async_probe("pipedream-2bw", bf16=True)
 SCENARIOS["async-ckpt-resume-pipeoptim"] = lambda: checkpoint_resume("pipeoptim", 4, 1, 8, predictor="last-update")
 SCENARIOS["async-ckpt-resume-2x2-pipedream"] = lambda: checkpoint_resume("pipedream", 2, 2, 4)
 SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved": {"chunks": 2}, "breadth-first": {"chunks": 2},
