@@ -32,7 +32,8 @@ ASYNC_KEYS = ["pipedream", "pipedream-2bw", "pipeoptim", "spectrain", "pipeoptim
 ASYNC = ([f"async-{topo}-{k}" for topo in ("4x1", "2x2") for k in ASYNC_KEYS] + [f"async-probe-{k}" for k in ASYNC_KEYS]
          + ["async-ckpt-resume-pipeoptim", "async-ckpt-resume-2x2-pipedream"]
          + ["async-bf16-4x1-pipeoptim", "async-bf16-4x1-spectrain", "async-bf16-2x2-pipedream",
-            "async-bf16-probe-pipeoptim", "async-bf16-probe-pipedream-2bw"])
+            "async-bf16-probe-pipeoptim", "async-bf16-probe-pipedream-2bw"]
+         + ["async-continuous-pipeoptim", "async-continuous-pipedream", "async-continuous-spectrain-code"])
 OTHER += ASYNC
 
 
@@ -216,3 +217,13 @@ def test_async_checkpoint_resume_is_exact(results, scenario, files):
 ])
 def test_bad_async_config_fails_at_initialize(results, scenario, message):
     assert message in (results[scenario]["error"] or "")
+
+
+@pytest.mark.parametrize("scenario", ["async-continuous-pipeoptim", "async-continuous-pipedream",
+                                      "async-continuous-spectrain-code"])
+def test_pipeline_kept_full_across_calls(results, scenario):
+    """fill='continuous': 2 calls of 8 then drain() equal one asynchronous 1F1B run over the 19 mini-batches."""
+    r = results[scenario]
+    assert r["max_param_diff"] <= 1e-6
+    assert abs(r["mean_loss"] - r["ref_mean_loss"]) <= 1e-5
+    assert r["global_steps"] == r["total"]           # every mini-batch one update, the drained ones too

@@ -12,7 +12,8 @@ SPLIT = Costs(fwd=1.0, bwd=2.0, wgrad=1.0)     # F = I = W = 1
 
 
 def grid():
-    for name in sorted(available()):
+    """Synchronous schedules over many shapes (asynchronous ones: tests/test_pipeoptim.py)."""
+    for name in sorted(name for name, cls in available().items() if cls.synchronous):
         for d in range(2, 9):
             if name == "chimera" and d % 2:
                 continue

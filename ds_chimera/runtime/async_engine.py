@@ -22,6 +22,7 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 
 from ..optim.bf16 import BF16MasterView
 from ..optim.predictors import SmoothedGradient, make_predictor
@@ -49,6 +50,9 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
                                 for c, chunk in self.chunk_modules.items()}
         self._gaps = {key: schedule.steps_ahead(*key) for key in schedule.versions()
                       if key[0] in self.chunk_modules} if self.predictor is not None else {}
+        self.continuous = schedule.continuous
+        if self.continuous:
+            self._init_continuous()
         if self.global_rank == 0 and self.predictor is not None:
             print(f"[ds_chimera] {schedule.name}: weight predictor {self.predictor.name!r} for "
                   f"{type(self.optimizer).__name__}, steps_ahead={schedule.config['steps_ahead']!r}", flush=True)
@@ -87,12 +91,84 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
                 for g in grads:
                     g.mul_(coef)
 
+    # ---- a pipeline kept full across calls (fill = continuous) ---------------------------------
+    def _init_continuous(self) -> None:
+        """Programs of a first, a steady and a draining call; the simulator proves them end to end."""
+        from ..schedules.lowering import lower
+        from ..sim.simulator import simulate
+        schedule, placement = self.schedule, self.placement
+        unrolled = schedule.unrolled_orders(3)
+        total = 3 * schedule.micro_batches + schedule.stages - 1
+        from ..schedules.base import linear_placement
+        proof = simulate(lower(schedule.name, linear_placement(schedule.stages, total), unrolled, synchronous=False))
+        if not proof.valid:
+            raise ValueError(f"schedule {schedule.name!r} with fill='continuous' is invalid: "
+                             f"{(proof.errors or list(proof.deadlock.values()))[:3]}")
+        part_placement = linear_placement(schedule.stages, schedule.micro_batches + schedule.stages - 1)
+        self.part_programs = {part: lower(f"{schedule.name}-{part}", part_placement, schedule.part_orders(part),
+                                          synchronous=False) for part in ("first", "steady", "drain")}
+        gaps = schedule.part_steps_ahead() if self.predictor is not None else {}
+        self.part_gaps = {part: {k: v for k, v in table.items() if k[0] in self.chunk_modules}
+                          for part, table in gaps.items()}
+        self.carry = None            # executor state of the micro-batches in flight between calls
+        self.mb_base = 0             # global id of this call's micro-batch 0
+
+    def _continuous_call(self, part: str, trace: bool):
+        from .executor import new_carry, shift_carry
+        n, depth = self.micro_batches, self.num_stages
+        if self.carry is None:
+            self.carry = new_carry()
+        first, last = self.pipe_rank == 0, self.pipe_rank == depth - 1
+        if part == "drain":
+            count, offset = (depth - 1 if last else 0), 0
+        elif first and not last:
+            count, offset = (n + depth - 1, 0) if part == "first" else (n, depth - 1)
+        else:
+            count, offset = n, 0
+        batches = {offset + i: b for i, b in self._load_batches(count).items()} if count else {}
+        self._gaps = self.part_gaps.get(part, {})
+        loss_sum, _ = self.executor.run(self.part_programs[part].ops[self.pipe_rank], batches, train=True,
+                                        scale=1.0 / self.update_interval, trace=trace, carry=self.carry,
+                                        mb_base=self.mb_base, flush=part == "drain")
+        if part == "drain":
+            shift_carry(self.carry, depth - 1)
+            if any(self.carry.values()):
+                raise RuntimeError("internal error: micro-batches left in flight after the drain")
+            self.carry, self.mb_base = None, self.mb_base + depth - 1
+            for versions in self.weight_versions.values():
+                versions.reset()
+        else:
+            shift_carry(self.carry, n)
+            for versions in self.weight_versions.values():
+                versions.inflight = {mb - n: v for mb, v in versions.inflight.items()}
+            self.mb_base += n
+        return loss_sum
+
+    def drain(self) -> float | None:
+        """Finish the D-1 mini-batches still in flight (fill = continuous); the last stage reads their
+        labels from the data iterator. Returns their mean loss, or None if nothing was in flight.
+        ``eval_batch`` and ``save_checkpoint`` drain first."""
+        if not self.continuous or self.carry is None:
+            return None
+        loss_sum = self._continuous_call("drain", trace=False)
+        return self._aggregate_loss(loss_sum, self.num_stages - 1).item() if self.num_stages > 1 else None
+
+    def eval_batch(self, *args, **kwargs):
+        self.drain()
+        return super().eval_batch(*args, **kwargs)
+
+    def save_checkpoint(self, *args, **kwargs):
+        self.drain()
+        return super().save_checkpoint(*args, **kwargs)
+
     # ---- a call ----------------------------------------------------------------------------
     def train_batch(self, data_iter=None):
         if not torch._C.is_grad_enabled():
             raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
         if data_iter is not None:
             self.set_dataiterator(data_iter)
+        if self.continuous:
+            return self._train_continuous()
         self.module.train()
         start = time.perf_counter()
         self.tput_timer.start()
@@ -103,6 +179,50 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
         for versions in self.weight_versions.values():
             versions.reset()
         # mean loss per update interval, averaged: the mean over the call's micro-batches
+        self.agg_train_loss = self._aggregate_loss(loss_sum, self.micro_batches)
+        self.tput_timer.stop(global_step=True)
+        if trace:
+            self._write_trace()
+        self._print_progress(time.perf_counter() - start)
+        return self.agg_train_loss
+
+    LOSS_TAG = 1 << 28       # above every pipeline message tag
+
+    def _aggregate_loss(self, loss_sum, micro_batches: int):
+        """The call's mean loss on every rank, without a barrier at the end of the call.
+
+        Only the last stage has losses, and it finishes a call (D-1) backwards before the first
+        stage. An all-reduce over the pipeline would hold it there, and the next call would
+        start with a partly empty pipeline. Instead the last stages average over data
+        parallelism (they run in step) and send the result on; the other stages receive it
+        when they finish, by which time it has arrived.
+        """
+        last = self.num_stages - 1
+        if self.num_stages == 1:
+            return super()._aggregate_loss(loss_sum, micro_batches)
+        value = torch.zeros(1, dtype=torch.float32, device=self.device)
+        if self.pipe_rank == last:
+            if loss_sum is not None:
+                value += loss_sum.reshape(-1)[:1].to(value.dtype)
+            if self.dp_size > 1:
+                self.p2p._wait(dist.all_reduce(value, group=self.grid.get_data_parallel_group(), async_op=True),
+                               "the loss all-reduce of the last stage")
+            value /= micro_batches * self.dp_size
+            for work, _ in getattr(self, "_loss_sends", []):
+                self.p2p._wait(work, "a loss sent to an earlier stage")
+            self._loss_sends = [(dist.isend(value, self._global_rank_of(p, self.grid.get_data_parallel_id()),
+                                            tag=self.LOSS_TAG), value) for p in range(last)]
+        else:
+            self.p2p._wait(dist.irecv(value, self._global_rank_of(last, self.grid.get_data_parallel_id()),
+                                      tag=self.LOSS_TAG), "the loss from the last stage")
+        return value.squeeze(0)
+
+    def _train_continuous(self):
+        self.module.train()
+        start = time.perf_counter()
+        self.tput_timer.start()
+        trace = self.plan.trace_dir is not None
+        loss_sum = self._continuous_call("first" if self.carry is None else "steady", trace)
         self.agg_train_loss = self._aggregate_loss(loss_sum, self.micro_batches)
         self.tput_timer.stop(global_step=True)
         if trace:

@@ -42,6 +42,28 @@ def _as_leaf(tensors, train: bool):
 
 
 current_action = None   # the action being executed on this process, for instrumentation and debugging
+MB_TAG_SPACE = 1 << 16  # messages carry global micro-batch ids modulo this (tags stay small)
+
+
+def new_carry() -> dict:
+    """Empty per-micro-batch executor state."""
+    return {name: {} for name in ("inputs", "outputs", "input_grads", "deferred", "received", "blocks")}
+
+
+def shift_carry(carry: dict, by: int) -> None:
+    """Relabel carried state for the next call: call-local id ``mb`` becomes ``mb - by``."""
+    for name, table in carry.items():
+        moved = {}
+        for key, value in table.items():
+            mb = key[-1]
+            if mb < by:
+                raise RuntimeError(f"internal error: {name} of micro-batch {mb} left over from the last call")
+            moved[key[:-1] + (mb - by,)] = value
+        carry[name] = moved
+
+
+def _global(msg, mb_base: int):
+    return msg if not mb_base else msg._replace(mb=(msg.mb + mb_base) % MB_TAG_SPACE)
 
 
 class StepExecutor:
@@ -52,11 +74,20 @@ class StepExecutor:
         self.placement = ctx.placement
         self.records: list = []          # (rank, kind, chunk, mb, start, end) when tracing
 
-    def run(self, ops, batches: dict, train: bool, scale: float, trace: bool = False):
-        """Execute ``ops``. Returns (sum of this rank's micro-batch losses, their count)."""
+    def run(self, ops, batches: dict, train: bool, scale: float, trace: bool = False, carry: dict | None = None,
+            mb_base: int = 0, flush: bool = True):
+        """Execute ``ops``. Returns (sum of this rank's micro-batch losses, their count).
+
+        ``carry``: per-micro-batch state that outlives the call (a pipeline kept full across
+        calls); ``mb_base`` turns the program's call-local micro-batch ids into the global ids
+        that label messages, so a message sent in one call is received in the next.
+        """
         global current_action
         ctx, placement = self.ctx, self.placement
-        inputs, outputs, input_grads, deferred, received, blocks = {}, {}, {}, {}, {}, {}
+        if carry is None:
+            carry = new_carry()
+        inputs, outputs, input_grads = carry["inputs"], carry["outputs"], carry["input_grads"]
+        deferred, received, blocks = carry["deferred"], carry["received"], carry["blocks"]
         loss_sum, loss_count = None, 0
         versions = getattr(ctx, "weight_versions", None)
         t0 = time.perf_counter()
@@ -137,11 +168,12 @@ class StepExecutor:
                         payload = outputs[key] if train else outputs.pop(key)
                     else:
                         payload = input_grads.pop((msg.src, msg.mb))
-                    ctx.p2p.send(msg, placement.rank_of(msg.dst), payload)
+                    ctx.p2p.send(_global(msg, mb_base), placement.rank_of(msg.dst), payload)
                 for msg in op.recvs:
-                    what = (f"{'activation' if msg.kind == 'act' else 'gradient'} of micro-batch {msg.mb} "
+                    what = (f"{'activation' if msg.kind == 'act' else 'gradient'} of micro-batch {msg.mb + mb_base} "
                             f"from rank {placement.rank_of(msg.src)} (chunk {msg.src} -> {msg.dst})")
-                    received[(msg.kind, msg.src, msg.dst, msg.mb)] = ctx.p2p.recv(msg, placement.rank_of(msg.src), what)
+                    received[(msg.kind, msg.src, msg.dst, msg.mb)] = ctx.p2p.recv(
+                        _global(msg, mb_base), placement.rank_of(msg.src), what)
             elif type(op) is GradSync:
                 if train:
                     ctx.start_grad_sync(op.stage)
@@ -149,11 +181,12 @@ class StepExecutor:
                 pass   # the engine finishes syncs and steps after the program, see engine.train_batch
             else:
                 raise RuntimeError(f"unknown op {op!r}")
-        if train:
+        if train and flush:
             leftovers = {k for d in (outputs, deferred, blocks) for k in d}
             if leftovers:
                 raise RuntimeError(f"internal error: work left after the step: {sorted(leftovers)[:5]}")
-        ctx.p2p.flush()
+        if flush:
+            ctx.p2p.flush()
         return loss_sum, loss_count
 
     @staticmethod

@@ -20,6 +20,8 @@ from .base import Schedule, check_int, linear_placement
 from .classic import one_f_one_b_orders
 
 STEPS_AHEAD = ("paper", "code")
+FILL = ("call", "continuous")
+PARTS = ("first", "steady", "drain")
 
 
 def check_steps_ahead(schedule: str, value):
@@ -43,6 +45,14 @@ class AsyncOneFOneB(Schedule):
         if self.micro_batches % interval:
             raise ValueError(f"{self.name}: micro_batches ({self.micro_batches}) must be a multiple of the update "
                              f"interval ({interval}), so that every train_batch ends on a complete update")
+        fill = self.config.get("fill", "call")
+        if fill not in FILL:
+            raise ValueError(f"{self.name}: fill must be 'call' (fill and drain the pipeline in every train_batch) "
+                             f"or 'continuous' (keep it full across calls); got {fill!r}")
+
+    @property
+    def continuous(self) -> bool:
+        return self.config.get("fill", "call") == "continuous"
 
     def build_placement(self):
         return linear_placement(self.stages, self.micro_batches)
@@ -59,6 +69,56 @@ class AsyncOneFOneB(Schedule):
             orders.append(out)
         return orders
 
+    # ---- a pipeline that stays full across calls (fill = continuous) ---------------------------
+    def part_orders(self, part: str) -> list:
+        """Per-rank orders of one call when the pipeline stays full, in call-local micro-batch ids.
+
+        Rank k runs D-1-k = w forwards ahead of its backwards. ``steady``: F(w+j), B(j), S(j) for
+        j < N; ids from N on belong to the next call, where they are j - N. ``first`` adds the
+        warm-up F(0..w-1); ``drain`` finishes the D-1 mini-batches still in flight (the last rank
+        reads their labels then).
+        """
+        if part not in PARTS:
+            raise ValueError(f"part must be one of {', '.join(PARTS)}, got {part!r}")
+        n, depth, interval = self.micro_batches, self.stages, self.update_interval()
+        count = depth - 1 if part == "drain" else n
+        orders = []
+        for k in range(depth):
+            warm, out = depth - 1 - k, []
+            if part == "first":
+                out += [Action(FORWARD, k, mb) for mb in range(warm)]
+            for j in range(count):
+                if part != "drain" or warm + j < depth - 1:
+                    out.append(Action(FORWARD, k, warm + j))
+                out.append(Action(BACKWARD, k, j))
+                if (j + 1) % interval == 0 or (part == "drain" and j == count - 1):
+                    out.append(Action(STEP, k, j))
+            orders.append(out)
+        return orders
+
+    def unrolled_orders(self, calls: int) -> list:
+        """first + (calls - 1) x steady + drain, in global ids: what the simulator proves."""
+        n, parts = self.micro_batches, ["first"] + ["steady"] * (calls - 1) + ["drain"]
+        orders = [[] for _ in range(self.stages)]
+        for call, part in enumerate(parts):
+            for rank, order in enumerate(self.part_orders(part)):
+                orders[rank] += [Action(kind, chunk, mb + call * n) for kind, chunk, mb in order]
+        return orders
+
+    def part_steps_ahead(self) -> dict:
+        """part -> {(chunk, call-local mb): steps ahead}, read off the unrolled orders."""
+        n = self.micro_batches
+        gaps = _distances(self.unrolled_orders(3))
+        call_of = {"first": 0, "steady": 1, "drain": 3}
+        out = {}
+        for part in PARTS:
+            base = call_of[part] * n
+            out[part] = {(c, mb - base): self._ahead(gap) for (c, mb), gap in gaps.items() if mb >= base}
+        return out
+
+    def _ahead(self, gap: int) -> int:
+        return gap
+
     # ---- weight versions -----------------------------------------------------------------
     def versions(self) -> dict:
         """(chunk, mb) -> (updates applied before its forward, updates applied before its backward)."""
@@ -67,17 +127,7 @@ class AsyncOneFOneB(Schedule):
         return self._versions
 
     def _count_versions(self) -> dict:
-        seen = {}
-        for order in self.orders:
-            steps, fwd = 0, {}
-            for kind, chunk, mb in order:
-                if kind == FORWARD:
-                    fwd[mb] = steps
-                elif kind == BACKWARD:
-                    seen[(chunk, mb)] = (fwd.pop(mb), steps)
-                elif kind == STEP:
-                    steps += 1
-        return seen
+        return _count_versions(self.orders)
 
     def steps_ahead(self, chunk: int, mb: int) -> int:
         """How many updates ahead a forward's predicted weights look (``predict`` policy only)."""
@@ -118,6 +168,7 @@ class PipeDream(AsyncOneFOneB):
 
     name = "pipedream"
     summary = "async 1F1B with weight stashing; D-k weight versions at stage k"
+    options = {"fill": "call"}
 
 
 class PipeDream2BW(AsyncOneFOneB):
@@ -130,7 +181,7 @@ class PipeDream2BW(AsyncOneFOneB):
 
     name = "pipedream-2bw"
     summary = "async 1F1B, double-buffered weights: update every update_interval micro-batches, delay 1"
-    options = {"update_interval": None}
+    options = {"update_interval": None, "fill": "call"}
 
     def update_interval(self) -> int:
         value = self.config["update_interval"]
@@ -140,6 +191,9 @@ class PipeDream2BW(AsyncOneFOneB):
         if self.config["update_interval"] is not None:
             check_int(self.name, "update_interval", self.config["update_interval"], 1)
         super().validate()
+        if self.continuous:
+            raise ValueError(f"{self.name}: fill='continuous' is not supported: its drain would end on a partial "
+                             f"update of {self.stages - 1} micro-batches; use fill='call'")
 
 
 class PipeOptim(AsyncOneFOneB):
@@ -151,7 +205,7 @@ class PipeOptim(AsyncOneFOneB):
 
     name = "pipeoptim"
     summary = "async 1F1B, forward on weights predicted by the optimizer's update rule; 2 versions"
-    options = {"predictor": "auto", "steps_ahead": "paper"}
+    options = {"predictor": "auto", "steps_ahead": "paper", "fill": "call"}
     weight_policy = "predict"
 
     def validate(self):
@@ -165,8 +219,10 @@ class PipeOptim(AsyncOneFOneB):
         """``paper``: s = D-1-k, the distance to the backward (smaller in the warm-up after a
         flush, where the backward really is fewer updates away); ``code``: one more, as the
         published code; an integer: that many."""
+        return self._ahead(super().steps_ahead(chunk, mb))
+
+    def _ahead(self, gap: int) -> int:
         choice = self.config["steps_ahead"]
-        gap = super().steps_ahead(chunk, mb)
         if choice == "paper":
             return gap
         if choice == "code":
@@ -183,7 +239,7 @@ class SpecTrain(PipeOptim):
 
     name = "spectrain"
     summary = "async 1F1B, forward on weights predicted from the smoothed gradient; 2 versions"
-    options = {"steps_ahead": "paper", "smoothing": 0.9}
+    options = {"steps_ahead": "paper", "smoothing": 0.9, "fill": "call"}
 
     def validate(self):
         smoothing = self.config["smoothing"]
@@ -191,3 +247,22 @@ class SpecTrain(PipeOptim):
             raise ValueError(f"{self.name}: smoothing must be a number in [0, 1), got {smoothing!r}")
         check_steps_ahead(self.name, self.config["steps_ahead"])
         AsyncOneFOneB.validate(self)
+
+
+def _count_versions(orders: list) -> dict:
+    """(chunk, mb) -> (steps applied before its forward, steps applied before its backward)."""
+    seen = {}
+    for order in orders:
+        steps, fwd = 0, {}
+        for kind, chunk, mb in order:
+            if kind == FORWARD:
+                fwd[mb] = steps
+            elif kind == BACKWARD:
+                seen[(chunk, mb)] = (fwd.pop(mb), steps)
+            elif kind == STEP:
+                steps += 1
+    return seen
+
+
+def _distances(orders: list) -> dict:
+    return {key: bwd - fwd for key, (fwd, bwd) in _count_versions(orders).items()}

@@ -346,7 +346,34 @@ def async_probe(schedule, n=8, calls=3, bf16=False, **options):
     return {"log": [e for part in gathered for e in part], "calls": calls, "n": n}
 
 
+def async_continuous(schedule, n=8, calls=2, **options):
+    """fill='continuous': calls that keep the pipeline full, then drain(), against one LocalPipeline call
+    over the same mini-batches (a plain asynchronous 1F1B of calls*N + D-1 mini-batches)."""
+    from ds_chimera.runtime.local import LocalPipeline
+    from ds_chimera.schedules import registry
+    specs, stages = mlp_specs(16), 4
+    total = calls * n + stages - 1
+    make_opt = lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9)  # noqa: E731
+    engine = async_engine(schedule, stages, 1, n, specs, make_opt, clip=0.5, fill="continuous", **options)
+    data = make_global_batches(total)(0)
+    stream = iter(data)
+    losses = [engine.train_batch(stream).item() for _ in range(calls)]
+    drained = engine.drain()
+    ref_layers = build_reference(specs)
+    parts = engine.plan.parts
+    modules = [torch.nn.Sequential(*ref_layers[parts[k]:parts[k + 1]]) for k in range(stages)]
+    local = LocalPipeline(registry.build(schedule, stages, total, **options), modules,
+                          [make_opt(m.parameters()) for m in modules], torch.nn.functional.mse_loss, clip=0.5)
+    ref_mean = local.train_batch(data)
+    mean = (sum(losses) * n + drained * (stages - 1)) / total
+    return {"max_param_diff": max_param_diff(engine, ref_layers), "mean_loss": mean, "ref_mean_loss": ref_mean,
+            "global_steps": engine.global_steps, "total": total}
+
+
 SCENARIOS = {}
+SCENARIOS["async-continuous-pipeoptim"] = lambda: async_continuous("pipeoptim")
+SCENARIOS["async-continuous-pipedream"] = lambda: async_continuous("pipedream")
+SCENARIOS["async-continuous-spectrain-code"] = lambda: async_continuous("spectrain", steps_ahead="code")
 ASYNC = {"pipedream": {}, "pipedream-2bw": {}, "pipeoptim": {}, "spectrain": {},
          "pipeoptim-code": {"steps_ahead": "code"}, "pipeoptim-last": {"predictor": "last-update"}}
 for key, opts in ASYNC.items():
