@@ -156,7 +156,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sim_args(sub.add_parser("simulate", help="simulate a schedule and report its metrics"))
     plot = sub.add_parser("plot", help="simulate and write a Gantt chart (same flags as simulate)")
     _add_sim_args(plot)
+    memory = sub.add_parser("memory", help="peak memory per device: Wavelet's offset waves, gang-scheduled "
+                                           "tasks, one task with the doubled batch")
+    memory.add_argument("--static", type=float, required=True, help="memory a task always holds (any unit)")
+    memory.add_argument("--activations", type=float, required=True, help="a task's activations at their peak")
+    memory.add_argument("--fwd", type=float, default=1.0, help="forward time of one task")
+    memory.add_argument("--bwd", type=float, default=2.0, help="backward time of one task")
+    memory.add_argument("--offset", type=float, default=0.5, help="the second wave's delay, a fraction of a cycle")
+    memory.add_argument("--json", action="store_true")
     return parser
+
+
+def cmd_memory(args) -> int:
+    from .sim.memory import TaskMemory, wavelet_memory
+    if not 0 <= args.offset < 1:
+        raise ValueError(f"--offset must be a fraction of a cycle in [0, 1), got {args.offset}")
+    task = TaskMemory(args.static, args.activations, args.fwd, args.bwd)
+    peaks = dict(wavelet_memory(task), offset_waves=task.two_tasks_peak(args.offset))
+    if args.json:
+        print(json.dumps(peaks))
+        return 0
+    print(f"one task: static {args.static:g} + activations {args.activations:g}, F {args.fwd:g}, B {args.bwd:g}")
+    print(f"  two waves offset by {args.offset:g} cycle   {peaks['offset_waves']:g}")
+    print(f"  two tasks gang-scheduled         {peaks['gang']:g}")
+    print(f"  one task with the doubled batch  {peaks['doubled_batch']:g}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -171,6 +195,8 @@ def main(argv=None) -> int:
             return cmd_schedules(args)
         if args.command == "kernels":
             return cmd_kernels(args)
+        if args.command == "memory":
+            return cmd_memory(args)
         if args.command == "plot" and not args.plot:
             args.plot = f"{args.schedule}_D{args.stages}_N{args.micro_batches}.png"
         return cmd_simulate(args)

@@ -108,3 +108,15 @@ def test_dead_task_stops_the_others():
         assert code != 0 and "finished all steps" not in out
         assert "ds_chimera wavelet:" in err and "a task died or is stuck" in err, err[-3000:]
     assert time.monotonic() - start < 90 + 4 * timeout_s
+
+
+def test_cli_reports_the_memory_model():
+    import subprocess
+    out = subprocess.run([sys.executable, "-m", "ds_chimera.cli", "memory", "--static", "1", "--activations", "4",
+                          "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    peaks = json.loads(out.stdout)
+    assert peaks["offset_waves"] == pytest.approx(7.0) and peaks["gang"] == 10.0 and peaks["doubled_batch"] == 9.0
+    bad = subprocess.run([sys.executable, "-m", "ds_chimera.cli", "memory", "--static", "1", "--activations", "4",
+                          "--offset", "1.5"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--offset must be a fraction of a cycle" in bad.stderr
