@@ -205,15 +205,17 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
             if loss_sum is not None:
                 value += loss_sum.reshape(-1)[:1].to(value.dtype)
             if self.dp_size > 1:
-                self.p2p._wait(dist.all_reduce(value, group=self.grid.get_data_parallel_group(), async_op=True),
+                self.p2p._wait(lambda: dist.all_reduce(value, group=self.grid.get_data_parallel_group(), async_op=True),
                                "the loss all-reduce of the last stage")
             value /= micro_batches * self.dp_size
             for work, _ in getattr(self, "_loss_sends", []):
                 self.p2p._wait(work, "a loss sent to an earlier stage")
-            self._loss_sends = [(dist.isend(value, self._global_rank_of(p, self.grid.get_data_parallel_id()),
-                                            tag=self.LOSS_TAG), value) for p in range(last)]
+            dp_id = self.grid.get_data_parallel_id()
+            self._loss_sends = [(self.p2p.post(lambda p=p: dist.isend(value, self._global_rank_of(p, dp_id),
+                                                                      tag=self.LOSS_TAG), "the loss send"), value)
+                                for p in range(last)]
         else:
-            self.p2p._wait(dist.irecv(value, self._global_rank_of(last, self.grid.get_data_parallel_id()),
+            self.p2p._wait(lambda: dist.irecv(value, self._global_rank_of(last, self.grid.get_data_parallel_id()),
                                       tag=self.LOSS_TAG), "the loss from the last stage")
         return value.squeeze(0)
 

@@ -183,7 +183,7 @@ class ScheduledPipelineEngine(PipelineEngine):
         if group is None or not params:
             return
         flat = _flatten_dense_tensors(self._grads(params))
-        work = dist.all_reduce(flat, group=group, async_op=True)
+        work = self.p2p.post(lambda: dist.all_reduce(flat, group=group, async_op=True), f"the all-reduce of {what}")
         self.pending_syncs.append((work, flat, params, what))
 
     def _grads(self, params) -> list:
@@ -225,7 +225,8 @@ class ScheduledPipelineEngine(PipelineEngine):
         for g in (self._grads(owned) if self._hp_grads else [p.grad for p in owned]):
             if g is not None:
                 squares += g.detach().double().pow(2).sum()
-        dist.all_reduce(squares, group=self.grid.get_pipe_parallel_group())
+        self.p2p._wait(lambda: dist.all_reduce(squares, group=self.grid.get_pipe_parallel_group(), async_op=True),
+                       "the gradient-norm all-reduce")
         return float(squares.sqrt())
 
     def _clip_gradients(self) -> None:
@@ -249,8 +250,7 @@ class ScheduledPipelineEngine(PipelineEngine):
         total = torch.zeros(1, dtype=torch.float32, device=self.device)
         if loss_sum is not None:
             total += loss_sum.reshape(-1)[:1].to(total.dtype)
-        work = dist.all_reduce(total, async_op=True)
-        self.p2p._wait(work, "the loss all-reduce")
+        self.p2p._wait(lambda: dist.all_reduce(total, async_op=True), "the loss all-reduce")
         return (total / (micro_batches * self.dp_size)).squeeze(0)
 
     def train_batch(self, data_iter=None):

@@ -92,6 +92,14 @@ class P2P:
         self.pending_sends = [entry for entry in self.pending_sends
                               if not all(work.is_completed() for work in entry[0])]
 
+    def post(self, post, what: str):
+        """Post a non-blocking operation; a dead peer at posting time becomes a clear error."""
+        try:
+            return post()
+        except Exception as exc:
+            raise PeerTimeout(f"ds_chimera: {what} could not be posted: the peer rank died or is stuck. "
+                              f"Cause: {exc}") from exc
+
     def send(self, msg, dst_rank: int, tensors) -> None:
         self._prune()
         tensors = [t.detach().contiguous() for t in _as_tuple(tensors)]
@@ -102,19 +110,28 @@ class P2P:
             header = encode_header(tensors)
             if self.header_on_device:
                 header = header.to(self.device)
-            works.append(dist.isend(header, peer, group=group, tag=self._tag(msg, 0)))
+            works.append(self.post(lambda: dist.isend(header, peer, group=group, tag=self._tag(msg, 0)),
+                                   f"the send of {msg.kind} {msg.src}->{msg.dst} micro-batch {msg.mb}"))
             self.sent_meta[self._edge(msg)] = meta
         elif self.sent_meta[self._edge(msg)] != meta:
             raise RuntimeError(f"pipeline tensor shapes changed on {msg.kind} {msg.src}->{msg.dst} "
                                f"({self.sent_meta[self._edge(msg)]} -> {meta}); build the PipelineModule "
                                f"with dynamic_shape=True")
         for i, t in enumerate(tensors):
-            works.append(dist.isend(t, peer, group=group, tag=self._tag(msg, i + 1)))
+            works.append(self.post(lambda t=t, i=i: dist.isend(t, peer, group=group, tag=self._tag(msg, i + 1)),
+                                   f"the send of {msg.kind} {msg.src}->{msg.dst} micro-batch {msg.mb}"))
         self.pending_sends.append((works, header, tensors))
 
     def _wait(self, work, what: str) -> None:
+        """Wait for ``work``, or for what the callable ``work`` posts, within the timeout.
+
+        gloo reports a dead peer either when an operation is posted (a closed connection) or
+        while it is awaited; both become one clear error.
+        """
         start = time.monotonic()
         try:
+            if callable(work):
+                work = work()
             work.wait(self.timeout)
         except Exception as exc:   # gloo raises RuntimeError on timeout or a closed connection
             waited = time.monotonic() - start
@@ -127,11 +144,12 @@ class P2P:
         meta = None if self.dynamic_shapes else self.recv_meta.get(self._edge(msg))
         if meta is None:
             header = torch.zeros(HEADER, dtype=torch.int64, device=self.device if self.header_on_device else "cpu")
-            self._wait(dist.irecv(header, peer, group=group, tag=self._tag(msg, 0)), what)
+            self._wait(lambda: dist.irecv(header, peer, group=group, tag=self._tag(msg, 0)), what)
             meta = decode_header(header.cpu())
             self.recv_meta[self._edge(msg)] = meta
         out = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in meta]
-        works = [dist.irecv(buf, peer, group=group, tag=self._tag(msg, i + 1)) for i, buf in enumerate(out)]
+        works = [self.post(lambda buf=buf, i=i: dist.irecv(buf, peer, group=group, tag=self._tag(msg, i + 1)), what)
+                 for i, buf in enumerate(out)]
         for work in works:
             self._wait(work, what)
         return out

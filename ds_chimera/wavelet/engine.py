@@ -129,7 +129,7 @@ class WaveletEngine(DeepSpeedEngine):
         of about 2F). From then on :meth:`_keep_offset` holds the measured offset.
         """
         signal = torch.empty(2, dtype=torch.float32, device=self.device)
-        self._wait(dist.irecv(signal, self.layout.partner),
+        self._wait(lambda: dist.irecv(signal, self.layout.partner),
                    f"the tick wave's start signal from task {self.layout.partner} (same device)")
         tick_start, tick_fwd = float(signal[0]) + self.epoch, float(signal[1])
         self.last_wait = max(0.0, tick_start + self.wavelet["offset"] * 3 * tick_fwd - time.time())
@@ -182,7 +182,7 @@ class WaveletEngine(DeepSpeedEngine):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = _flatten_dense_tensors([g.float() for g in grads])
         if self.wave_size > 1:
-            self._wait(dist.all_reduce(flat, group=self.wave_group, async_op=True),
+            self._wait(lambda: dist.all_reduce(flat, group=self.wave_group, async_op=True),
                        f"the {self.wave_name} wave's gradient all-reduce")
             flat.div_(self.wave_size)
         return flat
@@ -205,23 +205,38 @@ class WaveletEngine(DeepSpeedEngine):
         if self.pending_send is not None:
             self._wait(self.pending_send, f"the previous send to task {self.layout.partner}")
         self._send_buffer = payload                # keep it alive until the send completes
-        self.pending_send = dist.isend(payload, self.layout.partner)
+        self.pending_send = self._post(lambda: dist.isend(payload, self.layout.partner),
+                                       f"a send to task {self.layout.partner}")
 
     def _recv_partner(self) -> tuple:
         numel = sum(p.numel() for p in self.params)
         buf = torch.empty(numel + 2, dtype=torch.float32, device=self.device)
         other = "tock" if self.layout.wave == TICK else "tick"
-        self._wait(dist.irecv(buf, self.layout.partner),
+        self._wait(lambda: dist.irecv(buf, self.layout.partner),
                    f"the {other} wave's gradient from task {self.layout.partner} (same device)")
         return buf[:numel], float(buf[numel]), float(buf[numel + 1]) + self.epoch
 
     def _wait(self, work, what: str) -> None:
+        """Wait for ``work`` (or for what the callable ``work`` posts) within the timeout.
+
+        A dead peer shows up either way: as a closed connection when the operation is posted
+        (gloo) or as a timeout while it is awaited; both become one clear error.
+        """
         start = time.monotonic()
         try:
+            if callable(work):
+                work = work()
             work.wait(self.timeout)
         except Exception as exc:
             raise PeerTimeout(f"ds_chimera wavelet: {what} did not arrive after {time.monotonic() - start:.1f}s "
                               f"(timeout {self.wavelet['timeout']:g}s): a task died or is stuck. Cause: {exc}") from exc
+
+    def _post(self, post, what: str):
+        try:
+            return post()
+        except Exception as exc:
+            raise PeerTimeout(f"ds_chimera wavelet: {what} could not be posted: a task died or is stuck. "
+                              f"Cause: {exc}") from exc
 
     def drain(self) -> None:
         """Apply the tock wave's last update on the tick wave too: afterwards every task holds
