@@ -88,6 +88,8 @@ def worker(args):
     dist.broadcast_object_list(trace_root, 0)
     for n in args.micro_batches:
         for name, options in OURS:
+            if args.only and name + (" fill=continuous" if options.get("fill") else "") not in args.only:
+                continue
             trace_dir = os.path.join(trace_root[0], f"{name}-{n}-{len(rows)}")
             net = PipelineModule(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(),
                                  partition_method="uniform")
@@ -159,6 +161,7 @@ def main():
     parser.add_argument("--micro-batches", type=int, nargs="+")
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--out", default="benchmarks/async_schedules_results.json")
+    parser.add_argument("--only", nargs="+", help="rows to run, e.g. 'pipeoptim fill=continuous' 1f1b")
     args = parser.parse_args()
     args.micro_batches = args.micro_batches or ([32] if args.quick else [32, 64])
     args.repeats = args.repeats or (2 if args.quick else 3)
@@ -167,6 +170,8 @@ def main():
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", __file__, "--worker",
            "--out", args.out, "--repeats", str(args.repeats), "--micro-batches", *map(str, args.micro_batches)]
+    if args.only:
+        cmd += ["--only", *args.only]
     print(f"4 ranks, F = I = W = {COST_S * 1e3:.0f} ms per rank and mini-batch; ideal = F + I + W per mini-batch",
           flush=True)
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

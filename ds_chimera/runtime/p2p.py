@@ -10,6 +10,7 @@ simulator checks that each edge's sends and receives run in the same micro-batch
 from __future__ import annotations
 
 import time
+from collections import deque
 from datetime import timedelta
 
 import torch
@@ -19,6 +20,9 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int
           torch.bool, torch.uint8, torch.int8, torch.int16]
 HEADER = 128
 MAX_DIMS = 8
+
+
+MAX_PENDING = 256          # sends kept in flight before the oldest is waited for
 
 
 class PeerTimeout(RuntimeError):
@@ -68,7 +72,7 @@ class P2P:
         self.timeout = timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
         self.groups = groups or {}            # (src_chunk, dst_chunk, kind) -> group (NCCL only)
-        self.pending_sends: list = []
+        self.pending_sends: deque = deque()     # oldest first
         self.header_on_device = dist.get_backend() != "gloo"
         # Static shapes (DeepSpeed's default): an edge's header goes once, with its first message;
         # both sides remember it. dynamic_shapes=True sends one with every message.
@@ -88,9 +92,18 @@ class P2P:
         return (msg.kind, msg.src, msg.dst)
 
     def _prune(self) -> None:
-        """Forget sends that have completed, so their tensors can be freed during the step."""
-        self.pending_sends = [entry for entry in self.pending_sends
-                              if not all(work.is_completed() for work in entry[0])]
+        """Forget old sends, so their tensors can be freed and the list stays short.
+
+        Completed sends at the front are dropped. gloo reports a send complete only once it
+        has been waited for, so beyond ``MAX_PENDING`` the oldest is waited for: its receiver
+        took it long ago. This bounds the list when a pipeline stays full across calls.
+        """
+        pending = self.pending_sends
+        while pending and all(work.is_completed() for work in pending[0][0]):
+            pending.popleft()
+        while len(pending) > MAX_PENDING:
+            for work in pending.popleft()[0]:
+                self._wait(work, "an earlier send")
 
     def post(self, post, what: str):
         """Post a non-blocking operation; a dead peer at posting time becomes a clear error."""
@@ -159,4 +172,4 @@ class P2P:
         for works, _, _ in self.pending_sends:
             for work in works:
                 self._wait(work, "a send")
-        self.pending_sends = []
+        self.pending_sends.clear()
