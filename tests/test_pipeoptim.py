@@ -120,8 +120,8 @@ def test_smoothed_gradient_is_spectrains_moving_average():
     opt = torch.optim.AdamW([p], lr=0.1)
     pred = SmoothedGradient(opt, smoothing=0.9)
     step_with(opt, pred, p, 0.5)
-    step_with(opt, pred, p, 0.25)         # v = 0.9 * 0.5 + 0.1 * 0.25, in torch's units v / (1 - 0.9)
-    assert pred.predict(p, 2).item() == pytest.approx(p.item() - 0.1 * 2 * 4.75)
+    step_with(opt, pred, p, 0.25)         # v = 0.9 * (0.1 * 0.5) + 0.1 * 0.25 = 0.07, in torch's units / (1 - 0.9)
+    assert pred.predict(p, 2).item() == pytest.approx(p.item() - 0.1 * 2 * 0.7)
 
 
 def test_smoothed_gradient_matches_momentum_sgds_own_step_in_steady_state():
@@ -146,6 +146,32 @@ def test_auto_chooses_by_optimizer_class_and_names_are_checked():
         make_predictor(torch.optim.SGD(params, lr=0.1), "nope")
     with pytest.raises(ValueError, match="predictor 'adam' reads the state of"):
         make_predictor(torch.optim.SGD(params, lr=0.1), "adam")
+
+
+def test_plain_adam_with_decoupled_decay_is_predicted_like_adamw():
+    p = scalar_param()
+    opt = torch.optim.Adam([p], lr=0.1, eps=1e-3, weight_decay=0.01, decoupled_weight_decay=True)
+    pred = make_predictor(opt)
+    step_with(opt, pred, p, 0.5)
+    direction = 0.5 / (0.5 + 1e-3)
+    p1 = 1.0 * (1 - 0.1 * 0.01) - 0.1 * direction
+    assert p.item() == pytest.approx(p1)
+    assert pred.predict(p, 2).item() == pytest.approx(p1 - 0.1 * 2 * direction - 0.1 * 0.01 * 2 * p1)
+
+
+def test_a_registered_predictor_for_a_subclass_beats_the_builtin():
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    class MyAdamPredictor(Predictor):
+        name = "my-adam"
+
+        def direction(self, p):
+            return torch.ones_like(p)
+
+    register_predictor(MyAdam, MyAdamPredictor)
+    assert isinstance(make_predictor(MyAdam([scalar_param()], lr=0.1)), MyAdamPredictor)
+    assert make_predictor(torch.optim.Adam([scalar_param()], lr=0.1)).name == "adam"
 
 
 def test_register_predictor_is_the_extension_point():

@@ -9,9 +9,11 @@ import os
 import sys
 
 # ds-chimera launch --wavelet: two tasks per device, so local ranks 0..2N-1 map onto N devices.
-# Not on CPU: there is no device to share, and DeepSpeed's CPU shared-memory collectives key on LOCAL_RANK.
+# Only where there are GPUs: on CPU there is no device to share, and DeepSpeed's CPU shared-memory
+# collectives key on LOCAL_RANK (DeepSpeed falls back to CPU on its own when no GPU is present).
+_gpus = os.environ.get("DS_ACCELERATOR", "cuda") != "cpu" and os.path.exists("/dev/nvidiactl")
 if os.environ.get("DS_CHIMERA_WAVELET") == "1" and os.environ.get("DS_CHIMERA_DEVICES_PER_NODE", "").isdigit() \
-        and os.environ.get("DS_ACCELERATOR") != "cpu":
+        and _gpus:
     if os.environ.get("LOCAL_RANK", "").isdigit():
         os.environ["LOCAL_RANK"] = str(int(os.environ["LOCAL_RANK"]) % int(os.environ["DS_CHIMERA_DEVICES_PER_NODE"]))
 

@@ -106,7 +106,13 @@ def _initialize_wavelet(original, call, args, model, config):
     wavelet_options(config)              # bad options fail here, before any engine work
     call.update(config=config, config_params=None)
     if args is not None and (getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)):
-        call["args"] = _without_config_path(args)
+        call["args"] = args = _without_config_path(args)
+    if args is not None and getattr(args, "local_rank", None) is not None and "LOCAL_RANK" in os.environ:
+        # ds-chimera launch --wavelet maps LOCAL_RANK onto the devices; the launcher's --local_rank
+        # argument still counts processes, and DeepSpeed insists the two agree
+        import copy
+        call["args"] = args = copy.copy(args)
+        args.local_rank = int(os.environ["LOCAL_RANK"])
     with _engine_class(WaveletEngine, "DeepSpeedEngine"):
         return original(**call)
 

@@ -147,8 +147,9 @@ class AdamPredictor(Predictor):
         return (m / bc1) / ((v / bc2).sqrt() + group["eps"])
 
     def _decoupled(self, p) -> float:
-        return self.group_of[p].get("weight_decay", 0.0) if isinstance(inner(self.optimizer), torch.optim.AdamW) \
-            else 0.0
+        group = self.group_of[p]
+        decoupled = group.get("decoupled_weight_decay", isinstance(inner(self.optimizer), torch.optim.AdamW))
+        return group.get("weight_decay", 0.0) if decoupled else 0.0
 
     @torch.no_grad()
     def predict(self, p, steps):
@@ -246,8 +247,8 @@ class SmoothedGradient(Predictor):
                 if g is None:
                     continue
                 g = g.detach().float()
-                v = self.avg.get(p)
-                self.avg[p] = g.clone() if v is None else v.mul_(gamma).add_(g, alpha=1 - gamma)
+                v = self.avg.get(p)     # v starts at 0: after one step v / (1 - gamma) is g, torch's buffer
+                self.avg[p] = (1 - gamma) * g if v is None else v.mul_(gamma).add_(g, alpha=1 - gamma)
 
     def direction(self, p):
         v = self.avg.get(p)
@@ -298,9 +299,12 @@ def make_predictor(optimizer, choice: str = "auto", **kwargs) -> Predictor:
     """The predictor for ``optimizer``: by its class under ``auto``, else the named one."""
     table = available()
     if choice == "auto":
-        for opt_cls, cls in _by_optimizer():
-            if isinstance(inner(optimizer), opt_cls):
-                return cls(optimizer, **kwargs)
+        # the most specific optimizer class wins (earliest in the MRO); among equals, registrations first
+        mro = type(inner(optimizer)).__mro__
+        matches = [(mro.index(opt_cls), i, cls) for i, (opt_cls, cls) in enumerate(_by_optimizer())
+                   if opt_cls in mro]
+        if matches:
+            return min(matches, key=lambda m: m[:2])[2](optimizer, **kwargs)
         if type(inner(optimizer)) not in _WARNED:
             _WARNED.add(type(inner(optimizer)))
             log.warning("ds_chimera: no weight predictor knows %s; using 'last-update', which keeps one "

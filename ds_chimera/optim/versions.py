@@ -68,6 +68,7 @@ class WeightVersions:
         self.inflight: dict = {}         # mb -> version its forward used
         self.peak_versions = 1
         self.log: list = []              # (kind, mb, version, steps ahead) when recording
+        self._stash = None               # (version, copies) the latest forwards share
 
     def forward(self, mb, args: tuple, steps_ahead: int = 0, record: bool = False):
         """Run the module's forward for micro-batch ``mb`` on this policy's weights."""
@@ -80,8 +81,11 @@ class WeightVersions:
             return self.module(*args)
         if self.policy == "stash":
             self.peak_versions = max(self.peak_versions, len(set(self.inflight.values()) | {self.version}))
-            weights = {n: p.clone() for n, p in self.params.items()}
-            return functional_call(self.module, weights, args)
+            # one copy per version, shared by the forwards that use it (autograd keeps it alive
+            # exactly as long as one of their backwards is pending)
+            if self._stash is None or self._stash[0] != self.version:
+                self._stash = (self.version, {n: p.clone() for n, p in self.params.items()})
+            return functional_call(self.module, self._stash[1], args)
         predicted = {}
         for n, p in self.params.items():
             w_hat = self.predictor.predict(p, steps_ahead)
@@ -103,6 +107,7 @@ class WeightVersions:
 
     def step_done(self) -> None:
         self.version += 1
+        self._stash = None               # in-flight graphs keep their copies; new forwards clone anew
 
     def reset(self) -> None:
         """A drained pipeline: nothing in flight (versions keep counting)."""

@@ -22,7 +22,7 @@ HEADER = 128
 MAX_DIMS = 8
 
 
-MAX_PENDING = 256          # sends kept in flight before the oldest is waited for
+PENDING_PER_CHUNK = 4      # sends kept in flight per pipeline chunk before the oldest is waited for
 
 
 class PeerTimeout(RuntimeError):
@@ -73,6 +73,7 @@ class P2P:
         self.timeout_s = timeout_s
         self.groups = groups or {}            # (src_chunk, dst_chunk, kind) -> group (NCCL only)
         self.pending_sends: deque = deque()     # oldest first
+        self.max_pending = PENDING_PER_CHUNK * num_chunks + 8
         self.header_on_device = dist.get_backend() != "gloo"
         # Static shapes (DeepSpeed's default): an edge's header goes once, with its first message;
         # both sides remember it. dynamic_shapes=True sends one with every message.
@@ -95,13 +96,14 @@ class P2P:
         """Forget old sends, so their tensors can be freed and the list stays short.
 
         Completed sends at the front are dropped. gloo reports a send complete only once it
-        has been waited for, so beyond ``MAX_PENDING`` the oldest is waited for: its receiver
-        took it long ago. This bounds the list when a pipeline stays full across calls.
+        has been waited for, so beyond ``max_pending`` (a few per chunk) the oldest is waited
+        for: its receiver took it long ago. This bounds the list, and the tensors it keeps
+        alive, when a pipeline stays full across calls.
         """
         pending = self.pending_sends
         while pending and all(work.is_completed() for work in pending[0][0]):
             pending.popleft()
-        while len(pending) > MAX_PENDING:
+        while len(pending) > self.max_pending:
             for work in pending.popleft()[0]:
                 self._wait(work, "an earlier send")
 

@@ -42,6 +42,7 @@ from .layout import TICK, WaveLayout
 
 log = logging.getLogger("ds_chimera")
 DEFAULT_TIMEOUT_S = 300.0
+HISTORY = 64          # step times kept per task (the controller reads the last few)
 
 
 def wavelet_options(config: dict) -> dict:
@@ -73,6 +74,9 @@ class WaveletEngine(DeepSpeedEngine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.wavelet = wavelet = wavelet_options(self._config._param_dict)
+        if dist.get_backend() == "nccl":
+            raise ValueError("wavelet runs two tasks per GPU, and NCCL refuses two ranks of one communicator on one "
+                             "device; initialise torch.distributed with the gloo backend for wavelet")
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dist.get_world_size())))
         self.layout = WaveLayout(dist.get_rank(), dist.get_world_size(), local_world)
         self.timeout = timedelta(seconds=wavelet["timeout"])
@@ -114,6 +118,9 @@ class WaveletEngine(DeepSpeedEngine):
             else:
                 self._keep_offset()
             self.step_starts.append(time.time())
+            del self.step_starts[:-HISTORY]
+            del self.partner_starts[:-HISTORY]
+            del self.work_times[:-HISTORY]
         out = super().forward(*inputs, **kwargs)
         if opening and self.layout.wave == TICK and self.own_steps == 0:
             # tell the tock task when this first step started and how long its forward took
@@ -198,7 +205,9 @@ class WaveletEngine(DeepSpeedEngine):
 
     def _send_partner(self, flat: torch.Tensor, cycle: float, start: float) -> None:
         """The wave's averaged gradient, plus this step's duration and start (for the offset)."""
-        self._send(torch.cat([flat, torch.tensor([cycle, start - self.epoch], dtype=flat.dtype, device=flat.device)]))
+        since = start - self.epoch           # float64 seconds as two float32s: no drift over long runs
+        high = float(torch.tensor(since, dtype=torch.float32))
+        self._send(torch.cat([flat, torch.tensor([cycle, high, since - high], dtype=flat.dtype, device=flat.device)]))
 
     def _send(self, payload: torch.Tensor) -> None:
         """Post a send to the partner; the previous one must be complete (one buffer in flight)."""
@@ -210,11 +219,11 @@ class WaveletEngine(DeepSpeedEngine):
 
     def _recv_partner(self) -> tuple:
         numel = sum(p.numel() for p in self.params)
-        buf = torch.empty(numel + 2, dtype=torch.float32, device=self.device)
+        buf = torch.empty(numel + 3, dtype=torch.float32, device=self.device)
         other = "tock" if self.layout.wave == TICK else "tick"
         self._wait(lambda: dist.irecv(buf, self.layout.partner),
                    f"the {other} wave's gradient from task {self.layout.partner} (same device)")
-        return buf[:numel], float(buf[numel]), float(buf[numel + 1]) + self.epoch
+        return buf[:numel], float(buf[numel]), float(buf[numel + 1]) + float(buf[numel + 2]) + self.epoch
 
     def _wait(self, work, what: str) -> None:
         """Wait for ``work`` (or for what the callable ``work`` posts) within the timeout.
