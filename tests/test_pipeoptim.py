@@ -393,12 +393,9 @@ def test_with_one_stage_every_method_is_plain_training(name, make_opt):
 @pytest.mark.parametrize("stages,n,calls", [(1, 4, 2), (2, 4, 3), (4, 8, 3), (8, 8, 2)])
 def test_continuous_calls_fill_the_pipeline_once(name, stages, n, calls):
     """first + steady calls + drain: valid, and one fill and drain for the whole run."""
-    from ds_chimera.schedules.base import linear_placement
-    from ds_chimera.schedules.lowering import lower
     schedule = registry.build(name, stages, n, fill="continuous")
     total = calls * n + stages - 1
-    program = lower(name, linear_placement(stages, total), schedule.unrolled_orders(calls), synchronous=False)
-    result = simulate(program, Costs(fwd=1.0, bwd=2.0, wgrad=1.0))
+    result = simulate(schedule.unrolled_program(calls), Costs(fwd=1.0, bwd=2.0, wgrad=1.0))
     assert result.valid, result.errors[:3]
     assert result.makespan == pytest.approx((total + stages - 1) * 3.0)
     # the same orders as one asynchronous 1F1B call over every mini-batch

@@ -19,7 +19,6 @@ meet at each update, which is exactly the synchronisation these schedules remove
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -94,19 +93,13 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
     # ---- a pipeline kept full across calls (fill = continuous) ---------------------------------
     def _init_continuous(self) -> None:
         """Programs of a first, a steady and a draining call; the simulator proves them end to end."""
-        from ..schedules.lowering import lower
         from ..sim.simulator import simulate
-        schedule, placement = self.schedule, self.placement
-        unrolled = schedule.unrolled_orders(3)
-        total = 3 * schedule.micro_batches + schedule.stages - 1
-        from ..schedules.base import linear_placement
-        proof = simulate(lower(schedule.name, linear_placement(schedule.stages, total), unrolled, synchronous=False))
+        schedule = self.schedule
+        proof = simulate(schedule.unrolled_program(3))
         if not proof.valid:
             raise ValueError(f"schedule {schedule.name!r} with fill='continuous' is invalid: "
                              f"{(proof.errors or list(proof.deadlock.values()))[:3]}")
-        part_placement = linear_placement(schedule.stages, schedule.micro_batches + schedule.stages - 1)
-        self.part_programs = {part: lower(f"{schedule.name}-{part}", part_placement, schedule.part_orders(part),
-                                          synchronous=False) for part in ("first", "steady", "drain")}
+        self.part_programs = {part: schedule.part_program(part) for part in ("first", "steady", "drain")}
         gaps = schedule.part_steps_ahead() if self.predictor is not None else {}
         self.part_gaps = {part: {k: v for k, v in table.items() if k[0] in self.chunk_modules}
                           for part, table in gaps.items()}
@@ -162,29 +155,16 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
         return super().save_checkpoint(*args, **kwargs)
 
     # ---- a call ----------------------------------------------------------------------------
-    def train_batch(self, data_iter=None):
-        if not torch._C.is_grad_enabled():
-            raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
-        if data_iter is not None:
-            self.set_dataiterator(data_iter)
+    def _train_call(self, trace: bool):
+        """The program steps each stage itself; nothing is left to do after it."""
         if self.continuous:
-            return self._train_continuous()
-        self.module.train()
-        start = time.perf_counter()
-        self.tput_timer.start()
+            return self._continuous_call("first" if self.carry is None else "steady", trace)
         batches = self._load_batches(self.micro_batches)
-        trace = self.plan.trace_dir is not None
         loss_sum, _ = self.executor.run(self.plan.program.ops[self.pipe_rank], batches, train=True,
                                         scale=1.0 / self.update_interval, trace=trace)
         for versions in self.weight_versions.values():
             versions.reset()
-        # mean loss per update interval, averaged: the mean over the call's micro-batches
-        self.agg_train_loss = self._aggregate_loss(loss_sum, self.micro_batches)
-        self.tput_timer.stop(global_step=True)
-        if trace:
-            self._write_trace()
-        self._print_progress(time.perf_counter() - start)
-        return self.agg_train_loss
+        return loss_sum
 
     LOSS_TAG = 1 << 28       # above every pipeline message tag
 
@@ -218,19 +198,6 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
             self.p2p._wait(lambda: dist.irecv(value, self._global_rank_of(last, self.grid.get_data_parallel_id()),
                                       tag=self.LOSS_TAG), "the loss from the last stage")
         return value.squeeze(0)
-
-    def _train_continuous(self):
-        self.module.train()
-        start = time.perf_counter()
-        self.tput_timer.start()
-        trace = self.plan.trace_dir is not None
-        loss_sum = self._continuous_call("first" if self.carry is None else "steady", trace)
-        self.agg_train_loss = self._aggregate_loss(loss_sum, self.micro_batches)
-        self.tput_timer.stop(global_step=True)
-        if trace:
-            self._write_trace()
-        self._print_progress(time.perf_counter() - start)
-        return self.agg_train_loss
 
     # ---- predictor state in checkpoints --------------------------------------------------------
     def _extra_state_file(self, directory: str) -> str:

@@ -261,8 +261,18 @@ class ScheduledPipelineEngine(PipelineEngine):
         self.module.train()
         start = time.perf_counter()
         self.tput_timer.start()
-        batches = self._load_batches(self.micro_batches)
         trace = self.plan.trace_dir is not None
+        loss_sum = self._train_call(trace)
+        self.agg_train_loss = self._aggregate_loss(loss_sum, self.micro_batches)
+        self.tput_timer.stop(global_step=True)
+        if trace:
+            self._write_trace()
+        self._print_progress(time.perf_counter() - start)
+        return self.agg_train_loss
+
+    def _train_call(self, trace: bool):
+        """The work of one train_batch: the program, the gradient syncs, the step. Returns the loss sum."""
+        batches = self._load_batches(self.micro_batches)
         loss_sum, _ = self.executor.run(self.plan.program.ops[self.pipe_rank], batches, train=True,
                                         scale=1.0 / self.micro_batches, trace=trace)
         self._finish_grad_syncs()
@@ -273,12 +283,7 @@ class ScheduledPipelineEngine(PipelineEngine):
         else:
             self._clip_gradients()
         self._take_model_step(None)
-        self.agg_train_loss = self._aggregate_loss(loss_sum, self.micro_batches)
-        self.tput_timer.stop(global_step=True)
-        if trace:
-            self._write_trace()
-        self._print_progress(time.perf_counter() - start)
-        return self.agg_train_loss
+        return loss_sum
 
     def _print_progress(self, elapsed: float) -> None:
         """DeepSpeed-style progress line every ``steps_per_print`` train_batch calls."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 from .actions import BACKWARD, FORWARD, STEP, Action
 from .base import Schedule, check_int, linear_placement
 from .classic import one_f_one_b_orders
+from .lowering import lower
 
 STEPS_AHEAD = ("paper", "code")
 FILL = ("call", "continuous")
@@ -104,6 +105,16 @@ class AsyncOneFOneB(Schedule):
             for rank, order in enumerate(self.part_orders(part)):
                 orders[rank] += [Action(kind, chunk, mb + call * n) for kind, chunk, mb in order]
         return orders
+
+    def part_program(self, part: str):
+        """One call's lowered program (call-local micro-batch ids, D-1 of them beyond N)."""
+        placement = linear_placement(self.stages, self.micro_batches + self.stages - 1)
+        return lower(f"{self.name}-{part}", placement, self.part_orders(part), synchronous=False)
+
+    def unrolled_program(self, calls: int):
+        """The lowered first + steady... + drain run over calls * N + D - 1 mini-batches, for the simulator."""
+        placement = linear_placement(self.stages, calls * self.micro_batches + self.stages - 1)
+        return lower(self.name, placement, self.unrolled_orders(calls), synchronous=False)
 
     def part_steps_ahead(self) -> dict:
         """part -> {(chunk, call-local mb): steps ahead}, read off the unrolled orders."""
