@@ -90,26 +90,38 @@ class Predictor:
         return g + wd * w if wd else g.clone()
 
 
-class SGDPredictor(Predictor):
-    """torch.optim.SGD. Momentum: Delta is the momentum buffer. Nesterov: g + momentum * buffer.
-    Plain SGD: the last (L2-decayed) gradient."""
+class _KeepsLastGradient(Predictor):
+    """Keeps each step's (L2-decayed) gradient where the optimizer's state does not hold the direction."""
 
-    name = "sgd"
-    optimizers = (torch.optim.SGD,)
     stateful = ("last",)
 
     def __init__(self, optimizer):
         super().__init__(optimizer)
         self.last = {}
 
+    def needs_gradient(self, group: dict) -> bool:
+        raise NotImplementedError
+
     def before_step(self):
         for group in self.optimizer.param_groups:
-            if group.get("momentum", 0.0) and not group.get("nesterov", False):
-                continue          # the momentum buffer is the whole direction
+            if not self.needs_gradient(group):
+                continue
             for p in group["params"]:
                 d = self._grad_plus_l2(p, group)
                 if d is not None:
                     self.last[p] = d
+
+
+class SGDPredictor(_KeepsLastGradient):
+    """torch.optim.SGD. Momentum: Delta is the momentum buffer. Nesterov: g + momentum * buffer.
+    Plain SGD: the last (L2-decayed) gradient."""
+
+    name = "sgd"
+    optimizers = (torch.optim.SGD,)
+
+    def needs_gradient(self, group):
+        # with plain momentum the buffer is the whole direction
+        return not group.get("momentum", 0.0) or group.get("nesterov", False)
 
     def direction(self, p):
         group = self.group_of[p]
@@ -161,26 +173,15 @@ class AdamPredictor(Predictor):
         return out - lr * wd * steps * w if wd else out
 
 
-class RMSpropPredictor(Predictor):
+class RMSpropPredictor(_KeepsLastGradient):
     """torch.optim.RMSprop: Delta = the momentum buffer, or g / (sqrt(v) + eps) without momentum
     (centered: v minus the squared mean gradient)."""
 
     name = "rmsprop"
     optimizers = (torch.optim.RMSprop,)
-    stateful = ("last",)
 
-    def __init__(self, optimizer):
-        super().__init__(optimizer)
-        self.last = {}
-
-    def before_step(self):
-        for group in self.optimizer.param_groups:
-            if group.get("momentum", 0.0):
-                continue
-            for p in group["params"]:
-                d = self._grad_plus_l2(p, group)
-                if d is not None:
-                    self.last[p] = d
+    def needs_gradient(self, group):
+        return not group.get("momentum", 0.0)
 
     def direction(self, p):
         group, state = self.group_of[p], self.optimizer.state.get(p, {})
@@ -293,6 +294,13 @@ def _by_optimizer() -> list:
     for cls in available().values():
         pairs += [(opt, cls) for opt in cls.optimizers if opt is not torch.optim.Optimizer]
     return pairs
+
+
+def predictor_for(schedule, optimizer) -> Predictor:
+    """The predictor an asynchronous schedule's options ask for (SpecTrain: the smoothed gradient)."""
+    if schedule.name == "spectrain":
+        return SmoothedGradient(optimizer, schedule.config["smoothing"])
+    return make_predictor(optimizer, schedule.config["predictor"])
 
 
 def make_predictor(optimizer, choice: str = "auto", **kwargs) -> Predictor:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..optim.bf16 import BF16MasterView
-from ..optim.predictors import SmoothedGradient, make_predictor
+from ..optim.predictors import predictor_for
 from ..optim.versions import WeightVersions
 from .engine import ScheduledPipelineEngine
 
@@ -41,10 +41,7 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
         if schedule.weight_policy == "predict":
             # under bf16 the predictor reads the fp32 master weights and state behind the bf16 parameters
             optimizer = BF16MasterView(self.optimizer, self._hp_grads) if self.using_bf16_optimizer else self.optimizer
-            if schedule.name == "spectrain":
-                self.predictor = SmoothedGradient(optimizer, schedule.config["smoothing"])
-            else:
-                self.predictor = make_predictor(optimizer, schedule.config["predictor"])
+            self.predictor = predictor_for(schedule, optimizer)
         self.weight_versions = {c: WeightVersions(chunk, schedule.weight_policy, self.predictor)
                                 for c, chunk in self.chunk_modules.items()}
         self._gaps = {key: schedule.steps_ahead(*key) for key in schedule.versions()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import executor
-from ..optim.predictors import SmoothedGradient, make_predictor
+from ..optim.predictors import predictor_for
 from ..optim.versions import WeightVersions
 from ..schedules.actions import BACKWARD, FORWARD, STEP
 from ..schedules.base import Schedule
@@ -33,10 +33,7 @@ class LocalPipeline:
         policy = getattr(schedule, "weight_policy", "live") if not schedule.synchronous else "live"
         self.predictors = [None] * schedule.stages
         if policy == "predict":
-            if schedule.name == "spectrain":
-                self.predictors = [SmoothedGradient(o, schedule.config["smoothing"]) for o in optimizers]
-            else:
-                self.predictors = [make_predictor(o, schedule.config["predictor"]) for o in optimizers]
+            self.predictors = [predictor_for(schedule, o) for o in optimizers]
         self.versions = [WeightVersions(m, policy, p) for m, p in zip(stages, self.predictors)]
         self.gaps = {key: schedule.steps_ahead(*key) for key in schedule.versions()} if policy == "predict" else {}
         self.scale = 1.0 / (schedule.update_interval() if not schedule.synchronous else schedule.micro_batches)
