@@ -29,6 +29,30 @@ class PeerTimeout(RuntimeError):
     """A peer did not deliver within the configured time: it died or is stuck."""
 
 
+def wait_or_fail(work, timeout_s: float, what: str, source: str = "ds_chimera", peer: str = "the peer rank") -> None:
+    """Wait for ``work``, or for what the callable ``work`` posts, within ``timeout_s`` seconds.
+
+    gloo reports a dead peer either when an operation is posted (a closed connection) or
+    while it is awaited (a timeout); both become one clear error naming ``what``.
+    """
+    start = time.monotonic()
+    try:
+        if callable(work):
+            work = work()
+        work.wait(timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise PeerTimeout(f"{source}: {what} did not arrive after {time.monotonic() - start:.1f}s "
+                          f"(timeout {timeout_s:g}s): {peer} died or is stuck. Cause: {exc}") from exc
+
+
+def post_or_fail(post, what: str, source: str = "ds_chimera", peer: str = "the peer rank"):
+    """Post a non-blocking operation; a dead peer at posting time becomes the same clear error."""
+    try:
+        return post()
+    except Exception as exc:
+        raise PeerTimeout(f"{source}: {what} could not be posted: {peer} died or is stuck. Cause: {exc}") from exc
+
+
 def _as_tuple(x):
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
@@ -69,7 +93,6 @@ class P2P:
         self.to_global = to_global_rank      # pipeline rank -> global rank
         self.device = device
         self.num_chunks = num_chunks
-        self.timeout = timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
         self.groups = groups or {}            # (src_chunk, dst_chunk, kind) -> group (NCCL only)
         self.pending_sends: deque = deque()     # oldest first
@@ -108,12 +131,7 @@ class P2P:
                 self._wait(work, "an earlier send")
 
     def post(self, post, what: str):
-        """Post a non-blocking operation; a dead peer at posting time becomes a clear error."""
-        try:
-            return post()
-        except Exception as exc:
-            raise PeerTimeout(f"ds_chimera: {what} could not be posted: the peer rank died or is stuck. "
-                              f"Cause: {exc}") from exc
+        return post_or_fail(post, what)
 
     def send(self, msg, dst_rank: int, tensors) -> None:
         self._prune()
@@ -138,21 +156,7 @@ class P2P:
         self.pending_sends.append((works, header, tensors))
 
     def _wait(self, work, what: str) -> None:
-        """Wait for ``work``, or for what the callable ``work`` posts, within the timeout.
-
-        gloo reports a dead peer either when an operation is posted (a closed connection) or
-        while it is awaited; both become one clear error.
-        """
-        start = time.monotonic()
-        try:
-            if callable(work):
-                work = work()
-            work.wait(self.timeout)
-        except Exception as exc:   # gloo raises RuntimeError on timeout or a closed connection
-            waited = time.monotonic() - start
-            raise PeerTimeout(f"ds_chimera: {what} did not arrive after {waited:.1f}s "
-                              f"(timeout {self.timeout_s:g}s): the peer rank died or is stuck. "
-                              f"Cause: {exc}") from exc
+        wait_or_fail(work, self.timeout_s, what)
 
     def recv(self, msg, src_rank: int, what: str):
         peer, group = self.to_global(src_rank), self._group(msg)

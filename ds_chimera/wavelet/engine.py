@@ -29,7 +29,6 @@ import logging
 import os
 import statistics
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -37,7 +36,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from ..runtime.p2p import PeerTimeout
+from ..runtime.p2p import post_or_fail, wait_or_fail
 from .layout import TICK, WaveLayout
 
 log = logging.getLogger("ds_chimera")
@@ -79,7 +78,6 @@ class WaveletEngine(DeepSpeedEngine):
                              "device; initialise torch.distributed with the gloo backend for wavelet")
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dist.get_world_size())))
         self.layout = WaveLayout(dist.get_rank(), dist.get_world_size(), local_world)
-        self.timeout = timedelta(seconds=wavelet["timeout"])
         groups = {w: dist.new_group(self.layout.wave_ranks(w)) for w in (0, 1)}   # collective: every rank, same order
         self.wave_group = groups[self.layout.wave]
         self.wave_size = len(self.layout.wave_ranks(self.layout.wave))
@@ -226,26 +224,10 @@ class WaveletEngine(DeepSpeedEngine):
         return buf[:numel], float(buf[numel]), float(buf[numel + 1]) + float(buf[numel + 2]) + self.epoch
 
     def _wait(self, work, what: str) -> None:
-        """Wait for ``work`` (or for what the callable ``work`` posts) within the timeout.
-
-        A dead peer shows up either way: as a closed connection when the operation is posted
-        (gloo) or as a timeout while it is awaited; both become one clear error.
-        """
-        start = time.monotonic()
-        try:
-            if callable(work):
-                work = work()
-            work.wait(self.timeout)
-        except Exception as exc:
-            raise PeerTimeout(f"ds_chimera wavelet: {what} did not arrive after {time.monotonic() - start:.1f}s "
-                              f"(timeout {self.wavelet['timeout']:g}s): a task died or is stuck. Cause: {exc}") from exc
+        wait_or_fail(work, self.wavelet["timeout"], what, source="ds_chimera wavelet", peer="a task")
 
     def _post(self, post, what: str):
-        try:
-            return post()
-        except Exception as exc:
-            raise PeerTimeout(f"ds_chimera wavelet: {what} could not be posted: a task died or is stuck. "
-                              f"Cause: {exc}") from exc
+        return post_or_fail(post, what, source="ds_chimera wavelet", peer="a task")
 
     def drain(self) -> None:
         """Apply the tock wave's last update on the tick wave too: afterwards every task holds
