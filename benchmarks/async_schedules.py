@@ -25,15 +25,13 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from schedules import COST_S, LAYERS, MICRO, calibrate, p2p_latency  # noqa: E402
+from schedules import COST_S, LAYERS, calibrate, ds_config, median_step, p2p_latency, random_batches  # noqa: E402
 
 OURS = [("pipeoptim", {"fill": "continuous"}), ("pipedream", {"fill": "continuous"}),
         ("pipeoptim", {}), ("spectrain", {}), ("pipedream", {}), ("pipedream-2bw", {}), ("1f1b", {})]
@@ -61,28 +59,11 @@ def worker(args):
     def adamw(p):
         return torch.optim.AdamW(p, lr=1e-3)
 
-    def config(n, schedule=None, trace_dir=None):
-        cfg = {"train_batch_size": n * MICRO, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10 ** 9,
-               "gradient_clipping": 0.0}
-        if schedule:
-            cfg["pipeline"] = {"schedule": schedule[0], **schedule[1]}
-            if trace_dir:
-                cfg["pipeline"]["trace_dir"] = trace_dir
-        return cfg
-
     def timed(step, repeats):
-        step()
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            dist.barrier()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return median_step(dist, step, repeats)
 
     def data(n):
-        return [(torch.randn(MICRO, WIDTH), torch.randn(MICRO, WIDTH)) for _ in range(n)]
+        return random_batches(torch, WIDTH, n)
 
     trace_root = [tempfile.mkdtemp(prefix="dsc_async_") if rank == 0 else None]
     dist.broadcast_object_list(trace_root, 0)
@@ -93,7 +74,7 @@ def worker(args):
             trace_dir = os.path.join(trace_root[0], f"{name}-{n}-{len(rows)}")
             net = PipelineModule(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(),
                                  partition_method="uniform")
-            engine, _, _, _ = deepspeed.initialize(model=net, config=config(n, (name, options), trace_dir),
+            engine, _, _, _ = deepspeed.initialize(model=net, config=ds_config(n, (name, options), trace_dir),
                                                    optimizer=adamw)
             batch = data(n)
             continuous = options.get("fill") == "continuous"
@@ -137,7 +118,7 @@ def worker(args):
                       f"steady state {row['steady_vs_ideal'] or float('nan'):5.3f} x ideal", flush=True)
         for stock_n in sorted({8, n}):
             net = PipelineModule(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
-            engine, _, _, _ = deepspeed.initialize(model=net, config=config(stock_n), optimizer=adamw)
+            engine, _, _, _ = deepspeed.initialize(model=net, config=ds_config(stock_n), optimizer=adamw)
             batch = data(stock_n)
             median = timed(lambda: engine.train_batch(iter(batch)), args.repeats)
             rows.append({"runtime": "deepspeed", "schedule": "TrainSchedule (1F1B)", "N": stock_n, "call_s": median,

@@ -61,25 +61,10 @@ def worker(args):
               f"ms, W {calibrated[2] * 1e3:.2f} ms (nominal {COST_S * 1e3:.0f} each)", flush=True)
 
     def data(n):
-        return [(torch.randn(MICRO, WIDTH), torch.randn(MICRO, WIDTH)) for _ in range(n)]
+        return random_batches(torch, WIDTH, n)
 
     def timed(step, repeats):
-        step()                                     # warm-up: shapes, groups, allocator
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            dist.barrier()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    def ds_config(n, schedule=None):
-        cfg = {"train_batch_size": n * MICRO, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10 ** 9,
-               "gradient_clipping": 0.0}
-        if schedule:
-            cfg["pipeline"] = {"schedule": schedule[0], **schedule[1]}
-        return cfg
+        return median_step(dist, step, repeats)
 
     def sgd(p):
         return torch.optim.SGD(p, lr=1e-3)
@@ -134,6 +119,35 @@ def worker(args):
             json.dump(rows, fh)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def random_batches(torch, width: int, n: int) -> list:
+    """n (input, target) micro-batches of the timed model."""
+    return [(torch.randn(MICRO, width), torch.randn(MICRO, width)) for _ in range(n)]
+
+
+def median_step(dist, step, repeats: int) -> float:
+    """Median wall time of ``step`` on all ranks (barriers around each), after one warm-up call."""
+    step()                                     # warm-up: shapes, groups, allocator
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def ds_config(n: int, schedule=None, trace_dir=None) -> dict:
+    """DeepSpeed config for N micro-batches, with ds_chimera's ``(name, options)`` schedule if given."""
+    cfg = {"train_batch_size": n * MICRO, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10 ** 9,
+           "gradient_clipping": 0.0}
+    if schedule:
+        cfg["pipeline"] = {"schedule": schedule[0], **schedule[1]}
+        if trace_dir:
+            cfg["pipeline"]["trace_dir"] = trace_dir
+    return cfg
 
 
 def calibrate(torch, layer_cls, layer_s, layers_per_rank, width, repeats=15):
