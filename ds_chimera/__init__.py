@@ -9,4 +9,15 @@ from .integrations.deepspeed import initialize, install_when_imported
 
 install_when_imported()
 
+
+def _megatron_launch() -> None:
+    """``ds-chimera launch --pipeline-schedule NAME``: route Megatron's schedule once it is imported."""
+    import os
+    if os.environ.get("DS_CHIMERA_PIPELINE_SCHEDULE"):
+        from .megatron.install import install_when_imported as megatron_install_when_imported
+        megatron_install_when_imported()
+
+
+_megatron_launch()
+
 __all__ = ["initialize", "__version__"]

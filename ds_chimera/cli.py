@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("schedules", help="list every schedule, entry-point plugins included")
     sub.add_parser("kernels", help="list the convolution kernel backends (torch, cpp, triton, plugins)")
     sub.add_parser("launch", help="run a DeepSpeed script with the schedule switch: "
-                                  "ds-chimera launch [--torchrun] LAUNCHER_ARGS... script.py ARGS...")
+                                  "ds-chimera launch [--torchrun] [--wavelet] [--pipeline-schedule NAME] LAUNCHER_ARGS... script.py ARGS...")
     _add_sim_args(sub.add_parser("simulate", help="simulate a schedule and report its metrics"))
     plot = sub.add_parser("plot", help="simulate and write a Gantt chart (same flags as simulate)")
     _add_sim_args(plot)

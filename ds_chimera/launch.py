@@ -1,6 +1,7 @@
 """``ds-chimera launch``: run an unchanged DeepSpeed script with the schedule switch enabled.
 
-    ds-chimera launch [--torchrun] [--wavelet] LAUNCHER_ARGS... script.py SCRIPT_ARGS...
+    ds-chimera launch [--torchrun] [--wavelet] [--pipeline-schedule NAME [--pipeline-schedule-options JSON]]
+                      LAUNCHER_ARGS... script.py SCRIPT_ARGS...
 
 Wraps the ``deepspeed`` launcher (or ``torchrun`` with ``--torchrun``). Every worker
 process starts with ``ds_chimera`` imported through a ``sitecustomize`` hook, so the
@@ -9,6 +10,10 @@ script's own ``deepspeed.initialize`` honours ``"pipeline": {"schedule": ...}``.
 ``--wavelet`` starts two processes per device (``--num_gpus N`` or ``--nproc_per_node N``
 become 2N) and turns Wavelet's tick-tock data parallelism on for non-pipelined models;
 ``LOCAL_RANK`` is mapped back onto the N devices.
+
+``--pipeline-schedule NAME`` is for Megatron launches: Megatron-Core's
+``get_forward_backward_func()`` then returns ds_chimera's NAME schedule in every worker
+(see :mod:`ds_chimera.megatron.install`).
 """
 from __future__ import annotations
 
@@ -55,17 +60,58 @@ def double_processes(argv: list) -> tuple:
     return out, devices
 
 
+def _check_megatron_schedule(name: str, options) -> str | None:
+    """A bad --pipeline-schedule fails here, before any process starts; None when it is fine."""
+    import json
+
+    from .schedules import registry
+    try:
+        cls = registry.get(name)
+        parsed = json.loads(options) if options else {}
+        if not isinstance(parsed, dict):
+            return f"--pipeline-schedule-options must be a JSON object, got {options!r}"
+        unknown = sorted(set(parsed) - set(cls.options))
+        if unknown:
+            return f"schedule {name!r} has no option {unknown[0]!r}; allowed: {', '.join(sorted(cls.options)) or 'none'}"
+        if not cls.synchronous:
+            return (f"schedule {name!r} is asynchronous; Megatron's forward-backward contract needs a synchronous "
+                    f"schedule")
+    except (ValueError, json.JSONDecodeError) as exc:
+        return str(exc)
+    return None
+
+
 def main(argv) -> int:
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
     torchrun = wavelet = False
-    while argv and argv[0] in ("--torchrun", "--wavelet"):
-        torchrun |= argv[0] == "--torchrun"
-        wavelet |= argv[0] == "--wavelet"
+    schedule = options = None
+    while argv and argv[0] in ("--torchrun", "--wavelet", "--pipeline-schedule", "--pipeline-schedule-options"):
+        flag = argv[0]
+        if flag in ("--pipeline-schedule", "--pipeline-schedule-options"):
+            if len(argv) < 2:
+                print(f"ds-chimera launch: {flag} needs a value", file=sys.stderr)
+                return 2
+            if flag == "--pipeline-schedule":
+                schedule = argv[1]
+            else:
+                options = argv[1]
+            argv = argv[2:]
+            continue
+        torchrun |= flag == "--torchrun"
+        wavelet |= flag == "--wavelet"
         argv = argv[1:]
     env = launch_env()
+    if schedule is not None:
+        error = _check_megatron_schedule(schedule, options)
+        if error:
+            print(f"ds-chimera launch: {error}", file=sys.stderr)
+            return 2
+        env["DS_CHIMERA_PIPELINE_SCHEDULE"] = schedule
+        if options is not None:
+            env["DS_CHIMERA_PIPELINE_OPTIONS"] = options
     if wavelet:
         try:
             argv, devices = double_processes(argv)

@@ -167,35 +167,7 @@ def install() -> None:
     deepspeed.initialize = initialize
 
 
-class _DeepSpeedImportHook:
-    """Install the patch right after ``import deepspeed``, without importing it ourselves (slow)."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "deepspeed" or getattr(self, "_searching", False):
-            return None
-        import importlib.util
-        self._searching = True            # find the real spec without finding ourselves again
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            self._searching = False
-        if spec is None or spec.loader is None:
-            return spec
-        hook = self
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            if hook in sys.meta_path:    # stay installed until deepspeed has really been imported
-                sys.meta_path.remove(hook)
-            install()
-
-        spec.loader.exec_module = exec_and_patch
-        return spec
-
-
 def install_when_imported() -> None:
-    if "deepspeed" in sys.modules:
-        install()
-    elif not any(isinstance(f, _DeepSpeedImportHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _DeepSpeedImportHook())
+    """:func:`install` as soon as DeepSpeed is imported (now, if it already is)."""
+    from .._import_hooks import call_after_import
+    call_after_import("deepspeed", lambda module: install())

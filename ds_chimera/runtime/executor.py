@@ -90,6 +90,7 @@ class StepExecutor:
         deferred, received, blocks = carry["deferred"], carry["received"], carry["blocks"]
         loss_sum, loss_count = None, 0
         versions = getattr(ctx, "weight_versions", None)
+        forward_chunk = getattr(ctx, "forward_chunk", None)
         t0 = time.perf_counter()
         self.records = []
         for op in ops:
@@ -113,7 +114,9 @@ class StepExecutor:
                         x = _pack(inputs[(c, mb)])
                     capture = [] if train and c in ctx.split_chunks else None
                     with torch.set_grad_enabled(train):
-                        if versions is None:
+                        if forward_chunk is not None:   # the engine runs the chunk itself (Megatron's contract)
+                            out = forward_chunk(c, mb, x, capture)
+                        elif versions is None:
                             out = chunk(x, capture)
                         else:     # asynchronous schedules: the weight version the policy says
                             out = versions[c].forward(mb, (x, capture), ctx.steps_ahead(c, mb) if train else 0,
@@ -195,9 +198,21 @@ class StepExecutor:
 
         Returns the deferred W work: (block outputs, their gradients, block params) per
         block, so W differentiates each block locally instead of re-running this pass.
+        A block is (output, params) or (output, params, versions of the output at capture).
+        A block without an output, or whose output was later modified in place (Megatron's
+        cross-entropy overwrites the logits), cannot be differentiated again: its parameters
+        get their gradients in this pass.
         """
-        seen, shared = set(), False
-        for _, params in blocks:
+        now, kept = [], []
+        for block in blocks:
+            out, params = block[0], block[1]
+            if out is None or (len(block) > 2 and _versions(out) != block[2]):
+                now += params
+            else:
+                kept.append((out, params))
+        now = list({id(p): p for p in now}.values())
+        seen, shared = {id(p) for p in now}, False
+        for _, params in kept:
             ids = {id(p) for p in params}
             shared |= bool(seen & ids)
             seen |= ids
@@ -211,18 +226,26 @@ class StepExecutor:
             params = list({id(p): p for _, ps in blocks for p in ps}.values())
             return [(tensors, grads, params)]
         outs = [[t for t in _as_tuple(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-                for out, _ in blocks]
+                for out, _ in kept]
         flat = [t for group in outs for t in group]
-        wanted = leaves + flat
-        got = torch.autograd.grad(tensors, wanted, grad_outputs=grads, retain_graph=True,
+        wanted = leaves + flat + now
+        got = torch.autograd.grad(tensors, wanted, grad_outputs=grads, retain_graph=bool(flat),
                                   allow_unused=True) if wanted else []
         for leaf, g in zip(leaves, got[:len(leaves)]):
             leaf.grad = g if g is not None else torch.zeros_like(leaf)
-        block_grads = iter(got[len(leaves):])
+        for p, g in zip(now, got[len(leaves) + len(flat):]):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+        block_grads = iter(got[len(leaves):len(leaves) + len(flat)])
         work = []
-        for group, (_, params) in zip(outs, blocks):
+        for group, (_, params) in zip(outs, kept):
             gs = [next(block_grads) for _ in group]
             keep = [(t, g) for t, g in zip(group, gs) if g is not None]
             if keep:
                 work.append(([t for t, _ in keep], [g for _, g in keep], params))
         return work
+
+
+def _versions(out) -> tuple:
+    """In-place modification counters of a block output's tensors."""
+    return tuple(t._version for t in _as_tuple(out) if isinstance(t, torch.Tensor))

@@ -75,6 +75,22 @@ def micro_batches_from_config(config: dict, dp: int) -> int:
     return 1
 
 
+def proven_programs(schedule: Schedule) -> tuple:
+    """(training program, forward-only program) of a schedule, after the simulator accepts it.
+
+    A plugin schedule can be wrong: one the simulator rejects never runs.
+    """
+    program = schedule.lower()
+    proof = simulate(program)
+    if not proof.valid:
+        raise ValueError(f"schedule {schedule.name!r} is invalid for stages={schedule.stages}, "
+                         f"micro_batches={schedule.micro_batches}: "
+                         f"{(proof.errors or list(proof.deadlock.values()))[:3]}")
+    forward_orders = [[a for a in order if a.kind == FORWARD] for order in schedule.orders]
+    eval_program = lower(schedule.name + "-eval", schedule.placement, forward_orders, synchronous=False)
+    return program, eval_program
+
+
 def make_plan(config: dict, num_stages: int, dp: int, num_layers: int, parts_fn) -> Plan:
     section = config.get("pipeline") or {}
     name, options, runtime = schedule_options(section)
@@ -86,13 +102,7 @@ def make_plan(config: dict, num_stages: int, dp: int, num_layers: int, parts_fn)
     if num_layers < schedule.placement.num_stages:
         raise ValueError(f"schedule {name!r} cuts the model into {schedule.placement.num_stages} stages "
                          f"but the PipelineModule has only {num_layers} layers")
-    program = schedule.lower()
-    proof = simulate(program)
-    if not proof.valid:   # a plugin schedule can be wrong; never run one the simulator rejects
-        raise ValueError(f"schedule {name!r} is invalid for stages={num_stages}, micro_batches={micro_batches}: "
-                         f"{(proof.errors or list(proof.deadlock.values()))[:3]}")
-    forward_orders = [[a for a in order if a.kind == FORWARD] for order in schedule.orders]
-    eval_program = lower(name + "-eval", schedule.placement, forward_orders, synchronous=False)
+    program, eval_program = proven_programs(schedule)
     parts = parts_fn(schedule.placement.num_stages, runtime.get("partition_method"))
     clip = float(config.get("gradient_clipping", 1.0))
     return Plan(schedule, program, eval_program, parts, float(timeout), runtime.get("trace_dir"), clip)

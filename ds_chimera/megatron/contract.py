@@ -1,0 +1,440 @@
+"""Megatron-Core's forward-backward contract, run by ds_chimera's lowered schedules.
+
+``get_forward_backward_func("chimera")`` returns a function that Megatron's training loop can
+call where it calls ``megatron.core.pipeline_parallel.get_forward_backward_func()``'s. The
+same :class:`~ds_chimera.runtime.executor.StepExecutor` as the DeepSpeed engine runs the
+rank's lowered program; only the chunk call and the loss follow Megatron's conventions:
+
+- before each forward the chunk gets its input through ``set_input_tensor``, then
+  ``forward_step_func(data_iterator, chunk)`` returns ``(output, loss_func)``;
+- on a loss stage ``loss_func(output)`` returns ``(loss, reduced)`` (loss divided by the
+  number of micro-batches) or ``(loss, num_tokens, reduced)`` (divided by the tokens too,
+  unless ``config.calculate_per_token_loss``), exactly as Megatron does;
+- the function returns the ``reduced`` dicts in micro-batch order on every rank that holds
+  a loss stage (Chimera has two), and ``[]`` elsewhere;
+- after the backward it calls ``config.finalize_model_grads_func`` as Megatron does. The
+  gradient sync a schedule adds (Chimera's replicas) is done here, in the bubbles.
+
+Micro-batch ``mb`` is the ``mb``-th item of the chunk's data iterator, whatever order the
+schedule runs it in. Every iterator a forward reads from advances by exactly
+``num_microbatches`` per call. Communication goes through ``torch.distributed`` with the
+pipeline group's ranks: gloo on CPU, NCCL on GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ..runtime.executor import StepExecutor
+from ..runtime.p2p import P2P, wait_or_fail
+from ..runtime.plan import DEFAULT_TIMEOUT_S, proven_programs
+from ..schedules import registry
+from .stages import make_schedule, pipeline_group
+
+
+@dataclasses.dataclass
+class _DefaultConfig:
+    """What Megatron's ModelParallelConfig provides, for chunks that carry no ``config``."""
+    finalize_model_grads_func: object = None
+    grad_scale_func: object = None
+    no_sync_func: object = None
+    calculate_per_token_loss: bool = False
+    enable_autocast: bool = False
+    autocast_dtype: object = None
+
+
+def _unwrap(module):
+    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
+        module = module.module
+    return module
+
+
+def _model_config(chunk):
+    for module in (chunk, _unwrap(chunk)):
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "finalize_model_grads_func"):
+            return config
+    return _DefaultConfig()
+
+
+class _MicroBatchFeed:
+    """Hands micro-batch ``mb`` of one data iterator to whichever forward asks, in any order."""
+
+    def __init__(self, source, count: int):
+        self.source, self.count, self.items, self.used = source, count, [], False
+
+    def item(self, mb: int):
+        self.used = True
+        while len(self.items) <= mb:
+            try:
+                self.items.append(next(self.source))
+            except StopIteration:
+                raise RuntimeError(f"ds_chimera: the data iterator ran out after {len(self.items)} micro-batches; "
+                                   f"this call needs {self.count}") from None
+        return self.items[mb]
+
+    def finish(self) -> None:
+        """Keep iterators aligned across calls: a used iterator advances by exactly ``count``."""
+        if self.used and len(self.items) < self.count:
+            self.item(self.count - 1)
+
+
+class _OneMicroBatch:
+    """The iterator ``forward_step_func`` receives: one ``next()`` gives its micro-batch."""
+
+    def __init__(self, feed: _MicroBatchFeed, mb: int):
+        self.feed, self.mb, self.taken = feed, mb, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.taken:
+            raise RuntimeError(f"ds_chimera: forward_step_func called next(data_iterator) twice for micro-batch "
+                               f"{self.mb}; each forward gets exactly one micro-batch")
+        self.taken = True
+        return self.feed.item(self.mb)
+
+
+class _Groups:
+    """Process groups of one placement over the pipeline groups of the world, created once.
+
+    ``dist.new_group`` is collective over the whole world: every rank learns every pipeline
+    group (tensor- and data-parallel copies of it) and creates each group in the same order.
+    """
+
+    def __init__(self, placement, pp_ranks: list, nccl: bool):
+        self.replicas: dict = {}        # stage -> group over this pipeline's replicas of it
+        self.edges: dict = {}           # (src chunk, dst chunk, kind) -> two-rank group (NCCL only)
+        replicated = [s for s in range(placement.num_stages) if len(placement.stage_group(s)) > 1]
+        if not replicated and not nccl:
+            return
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, list(pp_ranks))
+        for ranks in sorted({tuple(r) for r in everyone}):
+            mine = list(ranks) == list(pp_ranks)
+            for stage in replicated:
+                group = dist.new_group(sorted(ranks[p] for p in placement.stage_group(stage)))
+                if mine:
+                    self.replicas[stage] = group
+            if nccl:
+                for chunk in placement.chunks:
+                    nxt = placement.next_chunk(chunk.index)
+                    if nxt is None or placement.rank_of(nxt) == chunk.rank:
+                        continue
+                    pair = sorted({ranks[chunk.rank], ranks[placement.rank_of(nxt)]})
+                    for key in ((chunk.index, nxt, "act"), (nxt, chunk.index, "grad")):
+                        group = dist.new_group(pair)
+                        if mine:
+                            self.edges[key] = group
+
+
+class _MegatronStep:
+    """The executor's context for one call: chunks, data, loss bookkeeping, replica syncs."""
+
+    def __init__(self, runner, schedule, chunks, feeds, config, forward_step_func, num_microbatches,
+                 collect_non_loss_data, train: bool):
+        placement = schedule.placement
+        self.placement, self.pipe_rank = placement, runner.rank
+        local = placement.chunks_on(runner.rank)
+        self.chunk_modules = dict(zip(local, chunks))
+        self.feeds = dict(zip(local, feeds))
+        self.split_chunks = {a.chunk for a in schedule.orders[runner.rank] if a.kind == "I"} if train else set()
+        self.p2p = runner.p2p
+        self.groups = runner.groups
+        self.config, self.forward_step_func = config, forward_step_func
+        self.num_microbatches, self.collect_non_loss_data = num_microbatches, collect_non_loss_data
+        self.train = train
+        self.loss_func = None
+        self.reduced: dict = {}         # micro-batch -> what loss_func reported
+        self.num_tokens = torch.zeros((), dtype=torch.int64)
+        self.pending: list = []
+        self.timeout_s = runner.timeout_s
+        self.cp_size = _context_parallel_size()
+
+    def forward_chunk(self, c: int, mb: int, x, capture):
+        chunk = self.chunk_modules[c]
+        inputs = (list(x) or [None]) if isinstance(x, tuple) else [x]     # first stages: [None], as Megatron
+        set_input_tensor = getattr(_unwrap(chunk), "set_input_tensor", None)
+        if set_input_tensor is None:
+            raise TypeError(f"model chunk {type(_unwrap(chunk)).__name__} has no set_input_tensor(); Megatron's "
+                            f"contract passes each stage's input that way")
+        set_input_tensor(inputs)
+        feed = self.feeds[c]
+        data = _OneMicroBatch(feed, mb) if feed is not None else None
+        autocast = contextlib.nullcontext()
+        if getattr(self.config, "enable_autocast", False):
+            autocast = torch.autocast(next(chunk.parameters()).device.type, dtype=self.config.autocast_dtype)
+        with autocast, _blocks_of(chunk, capture):
+            output, loss_func = self.forward_step_func(data, chunk)
+        self.loss_func = loss_func
+        return output
+
+    def compute_loss(self, output, mb: int):
+        """Megatron's loss bookkeeping for the forward that just ran on a loss stage."""
+        loss_func, self.loss_func = self.loss_func, None
+        if loss_func is None:
+            if self.train:
+                raise ValueError("forward_step_func returned no loss_func on a loss stage; training needs one")
+            self.reduced[mb] = output
+            return output
+        if self.collect_non_loss_data:
+            if self.train:
+                raise ValueError("collect_non_loss_data=True needs forward_only=True")
+            self.reduced[mb] = loss_func(output, non_loss_data=True)
+            return output
+        outputs = loss_func(output)
+        if len(outputs) == 3:
+            loss, num_tokens, reduced = outputs
+            if getattr(self.config, "calculate_per_token_loss", False):
+                self.num_tokens += torch.as_tensor(num_tokens).detach().cpu().to(torch.int64)
+            else:
+                loss = loss / torch.clamp(torch.as_tensor(num_tokens, device=loss.device), min=1) / self.num_microbatches
+        elif len(outputs) == 2:
+            loss, reduced = outputs
+            loss = loss * self.cp_size / self.num_microbatches
+        else:
+            raise ValueError(f"loss_func must return (loss, reduced) or (loss, num_tokens, reduced); "
+                             f"got {len(outputs)} values")
+        self.reduced[mb] = reduced
+        return loss
+
+    # ---- Chimera's replica gradient all-reduce, posted by the program's GradSync -------------
+    @staticmethod
+    def _grad(p):
+        if getattr(p, "main_grad", None) is not None:      # Megatron DDP's buffers
+            return p.main_grad
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
+
+    def start_grad_sync(self, stage: int) -> None:
+        group = self.groups.replicas.get(stage)
+        if group is None:
+            return
+        chunk = next(m for c, m in self.chunk_modules.items() if self.placement.chunks[c].stage == stage)
+        params = [p for p in chunk.parameters() if p.requires_grad]
+        if not params:
+            return
+        grads = [self._grad(p) for p in params]
+        flat = _flatten_dense_tensors(grads)
+        work = self.p2p.post(lambda: dist.all_reduce(flat, group=group, async_op=True),
+                             f"the replica all-reduce of stage {stage}")
+        self.pending.append((work, flat, grads, stage))
+
+    def finish_grad_syncs(self) -> None:
+        for work, flat, grads, stage in self.pending:
+            wait_or_fail(work, self.timeout_s, f"the replica gradient all-reduce of stage {stage}")
+            for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                grad.copy_(synced)
+        self.pending = []
+
+
+@contextlib.contextmanager
+def _blocks_of(chunk, capture):
+    """For a split backward: record each parameter-owning module's output as one block.
+
+    The weight-gradient pass then differentiates each module from its own output to its
+    own parameters. Parameters no module owns directly get their gradients with the input
+    gradients (block without output).
+    """
+    if capture is None:
+        yield
+        return
+    owners = [m for m in chunk.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+
+    def record(module, args, output):
+        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        outs = tuple(t for t in (output if isinstance(output, (tuple, list)) else (output,))
+                     if isinstance(t, torch.Tensor) and t.requires_grad)
+        if outs:
+            capture.append((outs, params, tuple(t._version for t in outs)))
+        else:
+            capture.append((None, params))
+
+    handles = [m.register_forward_hook(record) for m in owners]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+    owned = {id(p) for block in capture for p in block[1]}
+    rest = [p for p in chunk.parameters() if p.requires_grad and id(p) not in owned]
+    if rest:
+        capture.append((None, rest))
+
+
+def _context_parallel_size() -> int:
+    try:
+        from megatron.core import parallel_state
+        if parallel_state.model_parallel_is_initialized():
+            return parallel_state.get_context_parallel_world_size()
+    except Exception:      # Megatron absent or not initialised: no context parallelism
+        pass
+    return 1
+
+
+class ScheduleRunner:
+    """One schedule behind Megatron's contract; caches programs and groups per pipeline shape."""
+
+    def __init__(self, name: str, options: dict, timeout_s: float):
+        self.name, self.options, self.timeout_s = name, dict(options), timeout_s
+        self._programs: dict = {}
+        self._comms: dict = {}
+        self.rank = None
+        self.p2p = None
+        self.groups = None
+
+    def _schedule(self, size: int, num_microbatches: int):
+        key = (size, num_microbatches)
+        if key not in self._programs:
+            schedule = make_schedule(self.name, size, num_microbatches, self.options)
+            self._programs[key] = (schedule, *proven_programs(schedule))
+        return self._programs[key]
+
+    def _communication(self, schedule, group, device):
+        ranks = (dist.get_process_group_ranks(group) if group is not dist.group.WORLD
+                 else list(range(dist.get_world_size())))
+        key = (tuple(ranks), tuple(map(tuple, schedule.placement.stage_ranks)), str(device))
+        if key not in self._comms:
+            nccl = dist.get_backend(group) != "gloo"
+            groups = _Groups(schedule.placement, ranks, nccl)
+            p2p = P2P(lambda p: ranks[p], device, len(schedule.placement.chunks), self.timeout_s, groups.edges,
+                      dynamic_shapes=True)
+            self._comms[key] = (groups, p2p)
+        return self._comms[key]
+
+    def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
+                 decoder_seq_length=None, forward_only=False, collect_non_loss_data=False, first_val_step=None,
+                 adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None, force_all_reduce=False):
+        # seq_length, micro_batch_size, decoder_seq_length, adjust_tensor_shapes_fn: Megatron needs them to
+        # size its receive buffers; ds_chimera's messages carry their shapes. first_val_step is for FP8.
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+        group = pg_collection.pp if pg_collection is not None and getattr(pg_collection, "pp", None) is not None \
+            else pipeline_group()
+        size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        schedule, program, eval_program = self._schedule(size, num_microbatches)
+        placement = schedule.placement
+        local = placement.chunks_on(self.rank)
+        self._check_chunks(chunks, local, placement)
+        sources = self._sources(data_iterator, len(chunks))
+        feeds, shared = [], {}
+        for source in sources:
+            if source is None:
+                feeds.append(None)
+            else:
+                feeds.append(shared.setdefault(id(source), _MicroBatchFeed(source, num_microbatches)))
+        device = next((p.device for chunk in chunks for p in chunk.parameters()), torch.device("cpu"))
+        self.groups, self.p2p = self._communication(schedule, group, device)
+        config = _model_config(chunks[0])
+        train = not forward_only
+        step = _MegatronStep(self, schedule, chunks, feeds, config, forward_step_func, num_microbatches,
+                             collect_non_loss_data, train)
+        scale = 1.0
+        if train and config.grad_scale_func is not None:
+            scale = config.grad_scale_func(torch.ones(1, device=device))
+        batches = {mb: ((), mb) for mb in range(num_microbatches)}
+        no_sync = config.no_sync_func if train and config.no_sync_func is not None else contextlib.nullcontext
+        with contextlib.ExitStack() as stack:
+            for func in (no_sync if isinstance(no_sync, list) else [no_sync]):
+                stack.enter_context(func())
+            StepExecutor(step).run((program if train else eval_program).ops[self.rank], batches, train=train,
+                                   scale=scale)
+        for feed in shared.values():
+            feed.finish()
+        losses = self._gather_losses(step, placement, group)
+        if train:
+            step.finish_grad_syncs()
+            num_tokens = None
+            if getattr(config, "calculate_per_token_loss", False):
+                # tokens are counted wherever a loss stage ran (two ranks under Chimera)
+                total = step.num_tokens.clone()
+                wait_or_fail(lambda: dist.all_reduce(total, group=group, async_op=True), self.timeout_s,
+                             "the token-count all-reduce")
+                num_tokens = total.to(device)
+            if config.finalize_model_grads_func is not None:
+                config.finalize_model_grads_func(chunks, num_tokens, pg_collection=pg_collection,
+                                                 force_all_reduce=force_all_reduce)
+        return losses
+
+    @staticmethod
+    def _sources(data_iterator, count: int) -> list:
+        if isinstance(data_iterator, (list, tuple)):
+            if len(data_iterator) != count:
+                raise ValueError(f"data_iterator is a list of {len(data_iterator)} iterators, but this rank has "
+                                 f"{count} model chunk(s); give one per chunk (Megatron's convention) or one in all")
+            return list(data_iterator)
+        return [data_iterator] * count
+
+    def _check_chunks(self, chunks, local, placement) -> None:
+        stages = [placement.chunks[c].stage for c in local]
+        if len(chunks) != len(local):
+            raise ValueError(f"schedule {self.name!r} puts {len(local)} chunk(s) on pipeline rank {self.rank} "
+                             f"(stages {stages}), but model has {len(chunks)}; build them with "
+                             f"ds_chimera.megatron.build_model_chunks(model_provider, {self.name!r}, ...)")
+        if placement.num_stages > 1 and any(getattr(_unwrap(c), "share_embeddings_and_output_weights", False)
+                                            for c in chunks):
+            raise ValueError("model chunks share the embedding and output weights (share_embeddings_and_output_weights"
+                             "=True): ds_chimera's Megatron adapter does not sync a weight tied across stages yet; "
+                             "build the model with untied embeddings")
+        for chunk, stage in zip(chunks, stages):
+            tagged = getattr(chunk, "_ds_chimera_stage", getattr(_unwrap(chunk), "_ds_chimera_stage", None))
+            if tagged is not None and tagged != stage:
+                raise ValueError(f"model chunk built for stage {tagged} is where schedule {self.name!r} expects "
+                                 f"stage {stage} (pipeline rank {self.rank} holds stages {stages}); build the "
+                                 f"chunks for this schedule")
+
+    def _gather_losses(self, step, placement, group) -> list:
+        """Per-micro-batch results in order, on every rank that holds a loss stage."""
+        loss_ranks = sorted({placement.rank_of(c.index) for c in placement.chunks
+                             if placement.next_chunk(c.index) is None})
+        if len(loss_ranks) == 1:
+            return [step.reduced[mb] for mb in sorted(step.reduced)]
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, step.reduced, group=group)
+        if self.rank not in loss_ranks:
+            return []
+        merged = {}
+        for part in everyone:
+            merged.update(part)
+        return [merged[mb] for mb in sorted(merged)]
+
+
+def get_forward_backward_func(schedule: str = "1f1b", *, timeout: float = DEFAULT_TIMEOUT_S, **options):
+    """A function with Megatron-Core's forward-backward contract that runs ``schedule``.
+
+    ``options`` are the schedule's own (``chunks=V`` for interleaved and breadth-first,
+    ``pipelines`` for chimera...). ``timeout`` (seconds) bounds every wait on a peer: a dead
+    rank becomes a clear error. Bad names and options fail here, before any step.
+    """
+    cls = registry.get(schedule)
+    unknown = sorted(set(options) - set(cls.options))
+    if unknown:
+        raise ValueError(f"schedule {schedule!r} has no option {unknown[0]!r}; allowed: "
+                         f"{', '.join(sorted(cls.options)) or 'none'}")
+    if not cls.synchronous:
+        make_schedule(schedule, 2, 2, {})          # raises the explanation
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    runner = ScheduleRunner(schedule, options, float(timeout))
+
+    def forward_backward_func(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+                              micro_batch_size, decoder_seq_length=None, forward_only=False,
+                              collect_non_loss_data=False, first_val_step=None, adjust_tensor_shapes_fn=None,
+                              p2p_communicator=None, pg_collection=None, force_all_reduce=False):
+        return runner(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                      num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                      decoder_seq_length=decoder_seq_length, forward_only=forward_only,
+                      collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+                      adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
+                      pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+    forward_backward_func.schedule = schedule
+    forward_backward_func.options = dict(options)
+    return forward_backward_func

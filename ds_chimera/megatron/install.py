@@ -1,0 +1,137 @@
+"""Make a Megatron training launch run a ds_chimera schedule.
+
+Megatron-LM's training loop asks ``megatron.core.pipeline_parallel.get_forward_backward_func()``
+for its schedule. :func:`install` replaces that function (and every already-imported module's
+reference to it) with one that returns a ds_chimera schedule chosen by, in order:
+``install(schedule=...)``, ``--pipeline-schedule NAME`` on the command line (removed from
+``sys.argv`` so Megatron's own parser never sees it), or ``DS_CHIMERA_PIPELINE_SCHEDULE``
+(set by ``ds-chimera launch --pipeline-schedule NAME``). Schedule options come from
+``--pipeline-schedule-options JSON`` or ``DS_CHIMERA_PIPELINE_OPTIONS``. V, the chunks per
+rank of looped schedules, comes from Megatron's own virtual-pipeline setting.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from .contract import get_forward_backward_func
+
+ENV_SCHEDULE = "DS_CHIMERA_PIPELINE_SCHEDULE"
+ENV_OPTIONS = "DS_CHIMERA_PIPELINE_OPTIONS"
+_STATE: dict = {}
+
+
+def _take_flag(argv: list, flag: str):
+    """Remove ``flag VALUE`` or ``flag=VALUE`` from argv; return VALUE or None."""
+    for i, arg in enumerate(argv):
+        if arg == flag:
+            if i + 1 >= len(argv):
+                raise ValueError(f"{flag} needs a value")
+            value = argv[i + 1]
+            del argv[i:i + 2]
+            return value
+        if arg.startswith(flag + "="):
+            del argv[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _parse_options(text):
+    if text in (None, ""):
+        return {}
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"pipeline schedule options must be a JSON object, got {text!r}: {exc}") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"pipeline schedule options must be a JSON object, got {text!r}")
+    return options
+
+
+def chosen_schedule(argv: list | None = None) -> tuple:
+    """(name, options) from argv (consumed) or the environment; (None, {}) when none is chosen."""
+    argv = sys.argv if argv is None else argv
+    name = _take_flag(argv, "--pipeline-schedule")
+    options = _take_flag(argv, "--pipeline-schedule-options")
+    if name is None:
+        name = os.environ.get(ENV_SCHEDULE) or None
+    if options is None:
+        options = os.environ.get(ENV_OPTIONS)
+    return name, _parse_options(options)
+
+
+def _bound(module):
+    """A module's own ``get_forward_backward_func`` (its __dict__: some modules' __getattr__ raise)."""
+    namespace = getattr(module, "__dict__", None)
+    return namespace.get("get_forward_backward_func") if isinstance(namespace, dict) else None
+
+
+def _virtual_stages(vp_size):
+    if vp_size is not None:
+        return vp_size
+    try:
+        from megatron.core import parallel_state
+        return parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    except Exception:      # Megatron not initialised: no virtual stages
+        return None
+
+
+def install(schedule: str | None = None, argv: list | None = None, **options):
+    """Route Megatron's ``get_forward_backward_func()`` to ``schedule``; returns the name, or None.
+
+    Without a schedule from any source nothing is patched (Megatron keeps its own).
+    """
+    import megatron.core.pipeline_parallel as pipeline_parallel
+    from megatron.core.pipeline_parallel import schedules
+
+    if schedule is None:
+        schedule, from_args = chosen_schedule(argv)
+        options = {**from_args, **options}
+    if schedule is None:
+        return None
+    get_forward_backward_func(schedule, **options)          # bad name or options: fail now
+    original = _STATE.get("original", schedules.get_forward_backward_func)
+    cache: dict = {}
+
+    def ds_chimera_get_forward_backward_func(pp_size=None, vp_size=None, **_):
+        chosen = dict(options)
+        virtual = _virtual_stages(vp_size)
+        from ..schedules import registry
+        if virtual and virtual > 1 and "chunks" in registry.get(schedule).options:
+            chosen.setdefault("chunks", virtual)
+        key = json.dumps(chosen, sort_keys=True)
+        if key not in cache:
+            cache[key] = get_forward_backward_func(schedule, **chosen)
+        return cache[key]
+
+    ds_chimera_get_forward_backward_func.ds_chimera_schedule = schedule
+    _STATE["original"] = original
+    _STATE["installed"] = ds_chimera_get_forward_backward_func
+    replaced = [f for f in (original, _STATE.get("previous")) if f is not None]
+    for module in list(sys.modules.values()):        # e.g. megatron.training.training imported it by name
+        if any(_bound(module) is f for f in replaced):
+            setattr(module, "get_forward_backward_func", ds_chimera_get_forward_backward_func)
+    pipeline_parallel.get_forward_backward_func = ds_chimera_get_forward_backward_func
+    schedules.get_forward_backward_func = ds_chimera_get_forward_backward_func
+    _STATE["previous"] = ds_chimera_get_forward_backward_func
+    return schedule
+
+
+def uninstall() -> None:
+    """Give Megatron its own schedules back."""
+    if "original" not in _STATE:
+        return
+    for module in list(sys.modules.values()):
+        if _STATE.get("installed") is not None and _bound(module) is _STATE["installed"]:
+            setattr(module, "get_forward_backward_func", _STATE["original"])
+    _STATE.pop("installed", None)
+    _STATE.pop("previous", None)
+
+
+def install_when_imported() -> None:
+    """Under ``ds-chimera launch --pipeline-schedule``: install once Megatron's schedules are imported."""
+    if not os.environ.get(ENV_SCHEDULE):
+        return
+    from .._import_hooks import call_after_import
+    call_after_import("megatron.core.pipeline_parallel", lambda module: install())

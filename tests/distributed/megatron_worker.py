@@ -1,0 +1,182 @@
+"""4 gloo ranks: Megatron-Core GPT chunks trained through ds_chimera's Megatron contract.
+
+For every case the gradients, the returned loss dicts and a forward-only call are compared
+with single-process training of one whole GPTModel holding the same weights, on the same
+global batch. Writes one JSON result per rank: python megatron_worker.py OUT_DIR
+"""
+import json
+import os
+import re
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import ds_chimera.megatron as dsm  # noqa: E402
+from ds_chimera.megatron.stages import megatron_stage, pipeline_group  # noqa: E402
+
+VOCAB, SEQ, MBS, LAYERS, HIDDEN = 32, 8, 2, 8, 16
+N = 8
+CASES = [  # (schedule, options, pipeline size, loss form)
+    ("gpipe", {}, 4, 2), ("1f1b", {}, 4, 3), ("interleaved", {"chunks": 2}, 4, 2),
+    ("breadth-first", {"chunks": 2}, 4, 3), ("chimera", {}, 4, 3), ("zb-h1", {}, 4, 2),
+    ("zbv", {}, 4, 3), ("dualpipev", {}, 4, 2),
+    ("chimera", {}, 2, 2), ("interleaved", {"chunks": 2}, 2, 3),     # 2 x 2 pipe x data
+]
+
+
+def gpt_config(pp: int, vpp):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    return TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=2, use_cpu_initialization=True,
+                             pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+                             pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp)
+
+
+def provider_for(config):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    def model_provider(pre_process=True, post_process=True, vp_stage=None):
+        return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                        max_sequence_length=SEQ, pre_process=pre_process, post_process=post_process,
+                        vp_stage=vp_stage)
+    return model_provider
+
+
+def micro_batch(dp_rank: int, mb: int):
+    g = torch.Generator().manual_seed(1000 * dp_rank + mb)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+POSITIONS = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
+MASK = dsm.causal_mask(SEQ)
+
+
+def forward_step_for(loss_form: int):
+    def forward_step(data_iterator, model):
+        tokens, labels = next(data_iterator)
+        output = model(tokens, POSITIONS, MASK, labels=labels)
+
+        def loss_func(per_token):
+            if loss_form == 3:
+                total = per_token.float().sum()
+                n = torch.tensor(per_token.numel(), dtype=torch.int)
+                return total, n, {"lm loss": (total / n).detach()}
+            loss = per_token.float().mean()
+            return loss, {"lm loss": loss.detach()}
+        return output, loss_func
+    return forward_step
+
+
+def to_full_name(name: str, stage: int, layers_per_stage: int) -> str:
+    m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+    if m:
+        return f"decoder.layers.{stage * layers_per_stage + int(m.group(1))}.{m.group(2)}"
+    return name
+
+
+def run_case(schedule, options, pp, loss_form, rank, world):
+    from megatron.core import parallel_state
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp)
+    group = pipeline_group()
+    dp, dp_rank = world // pp, parallel_state.get_data_parallel_rank()
+    fb = dsm.get_forward_backward_func(schedule, timeout=60, **options)
+    sched = dsm.contract.make_schedule(schedule, pp, N, options)
+    total = sched.placement.num_stages
+    vpp = total // pp if total > pp else None
+    config = gpt_config(pp, vpp)
+    calls = []
+
+    def finalize(model, num_tokens, **kwargs):         # Megatron DDP's role: average over data parallel
+        calls.append(num_tokens)
+        dp_group = parallel_state.get_data_parallel_group()
+        for chunk in model:
+            for p in chunk.parameters():
+                if p.grad is not None and dp > 1:
+                    dist.all_reduce(p.grad, group=dp_group)
+                    p.grad.div_(dp)
+    config.finalize_model_grads_func = finalize
+    provider = provider_for(config)
+    chunks = dsm.build_model_chunks(provider, schedule, **options)
+    for chunk in chunks:
+        chunk.zero_grad(set_to_none=True)
+    batches = [micro_batch(dp_rank, mb) for mb in range(N)]
+    losses = fb(forward_step_func=forward_step_for(loss_form), data_iterator=iter(batches), model=chunks,
+                num_microbatches=N, seq_length=SEQ, micro_batch_size=MBS)
+    with torch.no_grad():
+        eval_losses = fb(forward_step_func=forward_step_for(loss_form), data_iterator=iter(batches), model=chunks,
+                         num_microbatches=N, seq_length=SEQ, micro_batch_size=MBS, forward_only=True)
+
+    # the reference: one whole GPTModel with every stage's weights, trained in this process
+    per_stage = LAYERS // total
+    full_config = gpt_config(1, None)
+    with megatron_stage(0, 1, 1, group):
+        full = provider_for(full_config)(pre_process=True, post_process=True)
+    state = {}
+    for stage in range(total):
+        with megatron_stage(stage, pp, total, group), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(dsm.stages.DEFAULT_SEED + stage)
+            built = provider(pre_process=stage == 0, post_process=stage == total - 1,
+                             vp_stage=stage // pp if vpp else None)
+        for name, value in built.state_dict().items():
+            state[to_full_name(name, stage, per_stage)] = value
+    missing, unexpected = full.load_state_dict(state, strict=False)
+    assert not [k for k in missing if not k.endswith("_extra_state")], missing
+    ref_losses = []
+    for d in range(dp):
+        for mb in range(N):
+            tokens, labels = micro_batch(d, mb)
+            loss = full(tokens, POSITIONS, MASK, labels=labels).float().mean()
+            (loss / (N * dp)).backward()
+            if d == dp_rank:
+                ref_losses.append(loss.item())
+    ref_grads = dict(full.named_parameters())
+    grad_diff, weight_diff, grad_norm = 0.0, 0.0, 0.0
+    for chunk in chunks:
+        stage = chunk._ds_chimera_stage
+        for name, p in chunk.named_parameters():
+            ref = ref_grads[to_full_name(name, stage, per_stage)]
+            weight_diff = max(weight_diff, (p.detach() - ref.detach()).abs().max().item())
+            grad_diff = max(grad_diff, (p.grad - ref.grad).abs().max().item())
+            grad_norm += ref.grad.double().pow(2).sum().item()
+    holds_loss = any(c._ds_chimera_stage == total - 1 for c in chunks)
+    got = [float(d["lm loss"]) for d in losses]
+    got_eval = [float(d["lm loss"]) for d in eval_losses]
+    loss_diff = max(abs(a - b) for a, b in zip(got, ref_losses)) if got else None
+    eval_diff = max(abs(a - b) for a, b in zip(got_eval, ref_losses)) if got_eval else None
+    return {"schedule": schedule, "pp": pp, "stages": [c._ds_chimera_stage for c in chunks], "grad_diff": grad_diff,
+            "weight_diff": weight_diff, "grad_norm": grad_norm ** 0.5, "holds_loss": holds_loss, "losses": len(got), "eval_losses": len(got_eval),
+            "loss_diff": loss_diff, "eval_diff": eval_diff, "finalize_calls": len(calls)}
+
+
+def run_installed(rank, world):
+    """install(): Megatron's own get_forward_backward_func() now returns the chimera schedule."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    import megatron.core.pipeline_parallel as pipeline_parallel
+    dsm.install("chimera", timeout=60)
+    chosen = pipeline_parallel.get_forward_backward_func()
+    dsm.uninstall()
+    restored = pipeline_parallel.get_forward_backward_func
+    return {"installed": getattr(chosen, "schedule", None), "restored_is_megatron": restored is get_forward_backward_func}
+
+
+def main():
+    out_dir = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dsm.enable_cpu()
+    results = [run_case(*case, rank, world) for case in CASES]
+    results.append(run_installed(rank, world))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(results, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Megatron-Core integration: the forward-backward contract on 4 gloo ranks, install, launcher, example."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from netutil import free_port
+
+pytest.importorskip("megatron.core", reason="megatron-core is installed by `make install`")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "distributed", "megatron_worker.py")
+SYNCHRONOUS = ["gpipe", "1f1b", "interleaved", "breadth-first", "chimera", "zb-h1", "zbv", "dualpipev"]
+
+
+def _env():
+    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+
+
+@pytest.fixture(scope="module")
+def contract_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("megatron")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
+           WORKER, str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+def test_every_synchronous_schedule_matches_single_process_training(contract_results):
+    """Gradients of every chunk equal one whole GPTModel's, trained in one process on the global batch."""
+    cases = [c for c in contract_results[0] if "schedule" in c]
+    assert sorted({c["schedule"] for c in cases if c["pp"] == 4}) == sorted(SYNCHRONOUS)
+    assert {c["schedule"] for c in cases if c["pp"] == 2} == {"chimera", "interleaved"}     # 2 x 2 pipe x data
+    for rank, results in enumerate(contract_results):
+        for case in (c for c in results if "schedule" in c):
+            what = f"rank {rank} {case['schedule']} pp={case['pp']}"
+            assert case["weight_diff"] == 0.0, what           # the chunks are the reference's stages
+            assert case["grad_norm"] > 0.1, what               # there is a gradient to compare
+            assert case["grad_diff"] <= 1e-6, what
+            assert case["finalize_calls"] == 1, what           # config.finalize_model_grads_func, once per call
+
+
+def test_placements_and_loss_dicts_follow_the_schedule(contract_results):
+    by_rank = [{(c["schedule"], c["pp"]): c for c in results if "schedule" in c} for results in contract_results]
+    assert [by_rank[r][("chimera", 4)]["stages"] for r in range(4)] == [[0, 3], [1, 2], [2, 1], [3, 0]]
+    assert [by_rank[r][("zbv", 4)]["stages"] for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [by_rank[r][("interleaved", 4)]["stages"] for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for key in by_rank[0]:
+        for r in range(4):
+            case = by_rank[r][key]
+            # the reduced loss dicts of all 8 micro-batches, on every rank holding a loss stage, in order
+            expected = 8 if case["holds_loss"] else 0
+            assert case["losses"] == expected and case["eval_losses"] == expected, (r, key)
+            if expected:
+                assert case["loss_diff"] <= 1e-6 and case["eval_diff"] <= 1e-6, (r, key)
+    assert sum(by_rank[r][("chimera", 4)]["holds_loss"] for r in range(4)) == 2     # both ends of Chimera
+
+
+def test_install_routes_megatrons_get_forward_backward_func(contract_results):
+    for results in contract_results:
+        assert results[-1] == {"installed": "chimera", "restored_is_megatron": True}
+
+
+def test_bad_schedule_names_and_options_fail_before_any_work():
+    from ds_chimera.megatron import get_forward_backward_func
+    with pytest.raises(ValueError, match="unknown schedule 'chimera2'; available: .*chimera"):
+        get_forward_backward_func("chimera2")
+    with pytest.raises(ValueError, match="schedule 'chimera' has no option 'chunks'; allowed: "):
+        get_forward_backward_func("chimera", chunks=2)
+    with pytest.raises(ValueError, match="'pipeoptim' is asynchronous.*use a synchronous schedule: "):
+        get_forward_backward_func("pipeoptim")
+    with pytest.raises(ValueError, match="timeout must be a number of seconds > 0, got 0"):
+        get_forward_backward_func("1f1b", timeout=0)
+    fb = get_forward_backward_func("interleaved", chunks=2)
+    assert fb.schedule == "interleaved" and fb.options == {"chunks": 2}
+
+
+def test_the_schedule_flag_is_taken_out_of_argv():
+    from ds_chimera.megatron.install import chosen_schedule
+    argv = ["pretrain_gpt.py", "--num-layers", "8", "--pipeline-schedule", "chimera",
+            "--pipeline-schedule-options", '{"pipelines": 2}', "--lr", "1e-3"]
+    assert chosen_schedule(argv) == ("chimera", {"pipelines": 2})
+    assert argv == ["pretrain_gpt.py", "--num-layers", "8", "--lr", "1e-3"]     # Megatron's parser never sees them
+    argv = ["x.py", "--pipeline-schedule=zbv"]
+    assert chosen_schedule(argv)[0] == "zbv" and argv == ["x.py"]
+    with pytest.raises(ValueError, match="must be a JSON object, got '\\[1\\]'"):
+        chosen_schedule(["x.py", "--pipeline-schedule", "zbv", "--pipeline-schedule-options", "[1]"])
+
+
+def test_micro_batch_feed_hands_each_forward_its_own_micro_batch():
+    from ds_chimera.megatron.contract import _MicroBatchFeed, _OneMicroBatch
+    source = iter(range(100))
+    feed = _MicroBatchFeed(source, 4)
+    assert next(_OneMicroBatch(feed, 2)) == 2 and next(_OneMicroBatch(feed, 0)) == 0
+    feed.finish()                                   # a used iterator advances by exactly num_microbatches
+    assert next(source) == 4
+    once = _OneMicroBatch(feed, 1)
+    next(once)
+    with pytest.raises(RuntimeError, match="next\\(data_iterator\\) twice for micro-batch 1"):
+        next(once)
+    short = _MicroBatchFeed(iter(range(2)), 4)
+    with pytest.raises(RuntimeError, match="ran out after 2 micro-batches; this call needs 4"):
+        short.item(3)
+
+
+def test_launcher_refuses_a_bad_schedule_before_starting_workers():
+    out = subprocess.run([sys.executable, "-m", "ds_chimera.cli", "launch", "--torchrun", "--pipeline-schedule",
+                          "spectrain", "--nproc_per_node", "4", "x.py"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "'spectrain' is asynchronous" in out.stderr
+
+
+def test_example_trains_under_the_launcher_flag():
+    """examples/megatron_gpt.py, unchanged, with ds-chimera launch --pipeline-schedule zbv: the loss falls."""
+    cmd = [sys.executable, "-m", "ds_chimera.cli", "launch", "--torchrun", "--pipeline-schedule", "zbv",
+           "--nproc_per_node", "4", "--master_port", str(free_port()), os.path.join(ROOT, "examples", "megatron_gpt.py"),
+           "--steps", "12"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "schedule zbv on 4 pipeline ranks" in proc.stdout
+    losses = [float(line.split(" loss ")[1].split()[0]) for line in proc.stdout.splitlines() if " loss " in line]
+    assert len(losses) == 12 and losses[-1] < losses[0] - 0.3, losses
