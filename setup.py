@@ -44,7 +44,7 @@ setup(
     extras_require={
         "torch": ["torch", "deepspeed"],
         "test": ["pytest", "torch", "deepspeed"],
-        "hf": ["transformers", "deepspeed"],
+        "hf": ["transformers", "accelerate", "deepspeed"],
         "megatron": ["megatron-core", "deepspeed"],
     },
     cmdclass={"build_py": BuildPyWithKernelSources},

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -64,6 +65,30 @@ def test_placements_and_loss_dicts_follow_the_schedule(contract_results):
 def test_install_routes_megatrons_get_forward_backward_func(contract_results):
     for results in contract_results:
         assert results[-1] == {"installed": "chimera", "restored_is_megatron": True}
+
+
+def test_dead_rank_stops_the_others_with_a_clear_error():
+    timeout_s, port, procs = 5, free_port(), []
+    for rank in range(4):
+        env = dict(_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="4", LOCAL_WORLD_SIZE="4",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DIE_RANK="3")
+        procs.append(subprocess.Popen([sys.executable, WORKER, "dead", str(timeout_s)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    start, outputs = time.monotonic(), []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail("a surviving rank hung after its peer died")
+        outputs.append((proc.returncode, out, err))
+    assert outputs[3][0] == 17
+    for rank in (0, 1, 2):
+        code, out, err = outputs[rank]
+        assert code != 0 and "finished the step" not in out
+        assert "ds_chimera:" in err and "died or is stuck" in err, err[-3000:]
+    assert time.monotonic() - start < 120 + 4 * timeout_s
 
 
 def test_bad_schedule_names_and_options_fail_before_any_work():

@@ -35,6 +35,9 @@ ASYNC = ([f"async-{topo}-{k}" for topo in ("4x1", "2x2") for k in ASYNC_KEYS] + 
             "async-bf16-probe-pipeoptim", "async-bf16-probe-pipedream-2bw"]
          + ["async-continuous-pipeoptim", "async-continuous-pipedream", "async-continuous-spectrain-code"])
 OTHER += ASYNC
+CONFIG_DIR = os.path.join(os.path.dirname(HERE), "configs")
+CONFIGS = sorted(name[:-5] for name in os.listdir(CONFIG_DIR) if name.endswith(".json"))
+OTHER += [f"config-{name}" for name in CONFIGS]
 
 
 def torchrun(args, timeout=900, extra_env=None):
@@ -227,3 +230,17 @@ def test_pipeline_kept_full_across_calls(results, scenario):
     assert r["max_param_diff"] <= 1e-6
     assert abs(r["mean_loss"] - r["ref_mean_loss"]) <= 1e-5
     assert r["global_steps"] == r["total"]           # every mini-batch one update, the drained ones too
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_shipped_config_trains_with_its_schedule(results, name):
+    """configs/NAME.json as shipped (optimizer, batch and schedule keys) runs its schedule and learns."""
+    with open(os.path.join(CONFIG_DIR, f"{name}.json")) as fh:
+        cfg = json.load(fh)
+    r = results[f"config-{name}"]
+    section = dict(cfg["pipeline"])
+    assert r["schedule"] == section.pop("schedule")
+    assert all(r["options"][key] == value for key, value in section.items())
+    assert r["micro_batches"] == cfg["train_batch_size"] // (cfg["train_micro_batch_size_per_gpu"])
+    assert all(loss == loss and loss < 10 for loss in r["losses"])          # finite
+    assert r["losses"][-1] < r["losses"][0] - 0.05, r["losses"]

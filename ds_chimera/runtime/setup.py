@@ -24,6 +24,9 @@ def prepare_module(module, config: dict, model_parameters):
     num_stages = grid.pipe_parallel_size
     dp = grid.data_parallel_size
     old_params = {id(p): p.requires_grad for p in module.parameters()}   # the stock stage's, about to go
+    if model_parameters is not None:
+        # model.parameters() is a generator: read it now, before the stock stage's layers are replaced
+        model_parameters = list(model_parameters)
 
     def parts_fn(num_parts, method):
         if method is None and num_parts == num_stages:

@@ -165,7 +165,26 @@ def run_installed(rank, world):
     return {"installed": getattr(chosen, "schedule", None), "restored_is_megatron": restored is get_forward_backward_func}
 
 
+def run_dead_rank(timeout_s: float):
+    """Rank 3 dies after building its chunk; the others must fail with a clear error, not hang."""
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=4)
+    fb = dsm.get_forward_backward_func("1f1b", timeout=timeout_s)
+    chunks = dsm.build_model_chunks(provider_for(gpt_config(4, None)), "1f1b")
+    if dist.get_rank() == int(os.environ.get("DIE_RANK", "3")):
+        os._exit(17)
+    batches = [micro_batch(0, mb) for mb in range(N)]
+    fb(forward_step_func=forward_step_for(2), data_iterator=iter(batches), model=chunks, num_microbatches=N,
+       seq_length=SEQ, micro_batch_size=MBS)
+    print("finished the step", flush=True)
+
+
 def main():
+    if sys.argv[1] == "dead":
+        dist.init_process_group("gloo")
+        dsm.enable_cpu()
+        run_dead_rank(float(sys.argv[2]))
+        return
     out_dir = sys.argv[1]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -271,6 +271,24 @@ def lm_training(schedule, steps=25, **options):
     return {"losses": [engine.train_batch(data).item() for _ in range(steps)]}
 
 
+def config_file_training(path, steps=8):
+    """A shipped configs/*.json, unchanged but for test timeouts: its schedule trains the DynamicConv LM."""
+    from ds_chimera.nn import counting_batches, lm_layer_specs, lm_loss
+    with open(path) as fh:
+        cfg = json.load(fh)
+    cfg["steps_per_print"] = 1000
+    cfg["pipeline"]["timeout"] = 60
+    specs = lm_layer_specs(vocab_size=32, d_model=32, num_layers=6, kernel_sizes=(3, 7, 15, 31), num_heads=4,
+                           max_len=16)
+    net = PipelineModule(layers=specs, num_stages=4, loss_fn=lm_loss, partition_method="uniform",
+                         seed_layers=True, base_seed=BASE_SEED)
+    engine, _, _, _ = deepspeed.initialize(model=net, config=cfg, model_parameters=net.parameters())
+    data = counting_batches(cfg["train_micro_batch_size_per_gpu"], seq_len=16, vocab_size=32, seed=7)
+    losses = [engine.train_batch(data).item() for _ in range(steps)]
+    return {"schedule": engine.schedule.name, "options": dict(engine.schedule.config), "losses": losses,
+            "micro_batches": engine.micro_batches, "optimizer": type(engine.optimizer).__name__}
+
+
 def traced_step(schedule, n=8):
     """One step with trace_dir: every rank writes what it ran, in the simulator's trace format."""
     holder = [tempfile.mkdtemp(prefix="dsc_trace_") if tdist.get_rank() == 0 else None]
@@ -419,6 +437,10 @@ SCENARIOS["bf16-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8, bf
 SCENARIOS["bf16-2x2-zbv"] = lambda: train_and_compare("zbv", 2, 2, 4, bf16=True)
 SCENARIOS["bf16-4x1-stock"] = lambda: train_and_compare(None, 4, 1, 8, bf16=True, clip=0.0)
 SCENARIOS["bf16-4x1-1f1b-noclip"] = lambda: train_and_compare("1f1b", 4, 1, 8, bf16=True, clip=0.0)
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "configs")
+for _name in sorted(os.listdir(CONFIG_DIR)):
+    if _name.endswith(".json"):
+        SCENARIOS[f"config-{_name[:-5]}"] = (lambda path=os.path.join(CONFIG_DIR, _name): config_file_training(path))
 # single-GPU smoke (D = 1; NCCL): every chunk of the schedule on one rank, same-rank hand-offs
 for key, opts in {"1f1b": {}, "gpipe": {}, "interleaved": {"chunks": 2}, "breadth-first": {"chunks": 3},
                   "zb-h1": {}, "zbv": {}}.items():
