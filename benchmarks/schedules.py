@@ -8,7 +8,8 @@ micro-batch (8 timed layers, 2 per rank; 1 per chunk for 2-chunk schedules). For
 schedule it prints the median step time over ideal = N * (F + I + W), and the simulator's
 prediction for the same program with the same costs. In the same invocation it runs
 DeepSpeed's stock TrainSchedule (1F1B) and DualPipeV engines, and torch.distributed.pipelining's
-GPipe, 1F1B, LoopedBFS, Interleaved1F1B, ZBV and DualPipeV schedules on the same layers.
+GPipe, 1F1B, LoopedBFS, Interleaved1F1B, ZBV and DualPipeV schedules on the same layers,
+and a few schedules through ds_chimera's Megatron-Core contract (``ds_chimera.megatron``).
 The last line is a JSON object with every row.
 """
 import argparse
@@ -27,6 +28,8 @@ MICRO = 1
 OURS = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"chunks": 2}), ("breadth-first", {"chunks": 2}),
         ("chimera", {"order": "concat"}), ("chimera", {"order": "merged"}), ("chimera", {"order": "forward-doubling"}),
         ("zb-h1", {}), ("zbv", {}), ("dualpipev", {})]
+# the same runtime behind Megatron-Core's forward-backward contract (ds_chimera.megatron)
+MEGATRON = [("1f1b", {}), ("interleaved", {"chunks": 2}), ("chimera", {"order": "merged"}), ("zb-h1", {}), ("zbv", {})]
 PEERS = [("deepspeed", "TrainSchedule (1F1B)"), ("deepspeed", "DualPipeV"),
          ("torch", "GPipe"), ("torch", "1F1B"), ("torch", "LoopedBFS"), ("torch", "Interleaved1F1B"),
          ("torch", "ZBVZeroBubble"), ("torch", "DualPipeV")]
@@ -91,6 +94,20 @@ def worker(args):
                 print(f"  ds_chimera {label(name, options):<28} N={n:<3} {median / ideal:6.3f} x ideal"
                       f"  (simulated: nominal {sim0 / ideal:5.3f}, calibrated {sim / ideal:5.3f}; "
                       f"measured/calibrated {median / sim:5.3f})", flush=True)
+        for name, options in MEGATRON:
+            if name == "interleaved" and n % world:
+                continue
+            step, program = megatron_contract_step(name, options, n, specs, world, rank, data)
+            median = timed(step, args.repeats)
+            from ds_chimera.sim import Costs, simulate
+            f_s, i_s, w_s = calibrated
+            sim = simulate(program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=latency)).makespan
+            rows.append({"runtime": "ds_chimera.megatron", "schedule": label(name, options), "N": n, "step_s": median,
+                         "vs_ideal": median / ideal, "sim_vs_ideal": sim / ideal, "measured_vs_sim": median / sim})
+            if rank == 0:
+                print(f"  megatron   {label(name, options):<28} N={n:<3} {median / ideal:6.3f} x ideal"
+                      f"  (simulated: calibrated {sim / ideal:5.3f}; measured/calibrated {median / sim:5.3f})",
+                      flush=True)
         for runtime, name in PEERS:
             if "DualPipeV" in name and n < 2 * world:
                 continue
@@ -193,6 +210,55 @@ def p2p_latency(dist, torch, rank, rounds=200):
     return float(value)
 
 
+def megatron_contract_step(name, options, n, specs, world, rank, data):
+    """One step through ds_chimera.megatron's forward-backward function on the same timed layers.
+
+    The chunks follow Megatron's model-chunk interface (``set_input_tensor``); the step is
+    the forward-backward call plus the optimizer step, as in Megatron's training loop.
+    """
+    import torch
+    from torch import nn
+
+    import ds_chimera.megatron as dsm
+    from ds_chimera.megatron.stages import make_schedule
+
+    class TimedChunk(nn.Module):
+        def __init__(self, layers, stage):
+            super().__init__()
+            self.layers, self.stage, self.input = nn.Sequential(*layers), stage, None
+
+        def set_input_tensor(self, tensors):
+            self.input = tensors[0]
+
+        def forward(self, x):
+            return self.layers(self.input if self.input is not None else x)
+
+    schedule = make_schedule(name, world, n, options)
+    placement = schedule.placement
+    per_stage = LAYERS // placement.num_stages
+    last = placement.num_stages - 1
+    chunks = []
+    for c in placement.chunks_on(rank):
+        stage = placement.chunks[c].stage
+        chunks.append(TimedChunk([specs[i].build() for i in range(stage * per_stage, (stage + 1) * per_stage)], stage))
+    forward_backward = dsm.get_forward_backward_func(name, **options)
+    opt = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=1e-3)
+    batch = data(n)
+    mse = nn.MSELoss()
+
+    def forward_step(data_iterator, model):
+        x, y = next(data_iterator)
+        out = model(x)
+        return out, (lambda o: (mse(o, y), {"loss": mse(o, y).detach()})) if model.stage == last else None
+
+    def step():
+        forward_backward(forward_step_func=forward_step, data_iterator=iter(batch), model=chunks,
+                         num_microbatches=n, seq_length=1, micro_batch_size=MICRO)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step, schedule.lower()
+
+
 def torch_pipelining_step(name, n, specs, world, rank, data):
     """One training step of torch.distributed.pipelining's schedule ``name`` on the same layers."""
     import torch
@@ -255,7 +321,7 @@ def main():
           flush=True)
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout.splitlines():
-        if line.startswith(("  ds_chimera", "  deepspeed", "  torch", "  measured")) or "Error" in line:
+        if line.startswith(("  ds_chimera", "  megatron", "  deepspeed", "  torch", "  measured")) or "Error" in line:
             print(line, flush=True)
     if proc.returncode != 0:
         print(proc.stdout[-5000:])

@@ -303,8 +303,8 @@ class ScheduleRunner:
         if key not in self._comms:
             nccl = dist.get_backend(group) != "gloo"
             groups = _Groups(schedule.placement, ranks, nccl)
-            p2p = P2P(lambda p: ranks[p], device, len(schedule.placement.chunks), self.timeout_s, groups.edges,
-                      dynamic_shapes=True)
+            p2p = P2P(lambda p: ranks[p], device, len(schedule.placement.chunks), self.timeout_s, groups.edges)
+            p2p.shape_hint = "set variable_seq_lengths=True in the model's config (Megatron's switch for this)"
             self._comms[key] = (groups, p2p)
         return self._comms[key]
 
@@ -333,6 +333,8 @@ class ScheduleRunner:
         device = next((p.device for chunk in chunks for p in chunk.parameters()), torch.device("cpu"))
         self.groups, self.p2p = self._communication(schedule, group, device)
         config = _model_config(chunks[0])
+        # as Megatron: fixed shapes (one header per edge) unless the config says they vary
+        self.p2p.dynamic_shapes = bool(getattr(config, "variable_seq_lengths", False))
         train = not forward_only
         step = _MegatronStep(self, schedule, chunks, feeds, config, forward_step_func, num_microbatches,
                              collect_non_loss_data, train)

@@ -101,6 +101,7 @@ class P2P:
         # Static shapes (DeepSpeed's default): an edge's header goes once, with its first message;
         # both sides remember it. dynamic_shapes=True sends one with every message.
         self.dynamic_shapes = dynamic_shapes
+        self.shape_hint = "build the PipelineModule with dynamic_shape=True"     # how a user allows changes
         self.sent_meta: dict = {}
         self.recv_meta: dict = {}
 
@@ -148,8 +149,7 @@ class P2P:
             self.sent_meta[self._edge(msg)] = meta
         elif self.sent_meta[self._edge(msg)] != meta:
             raise RuntimeError(f"pipeline tensor shapes changed on {msg.kind} {msg.src}->{msg.dst} "
-                               f"({self.sent_meta[self._edge(msg)]} -> {meta}); build the PipelineModule "
-                               f"with dynamic_shape=True")
+                               f"({self.sent_meta[self._edge(msg)]} -> {meta}); {self.shape_hint}")
         for i, t in enumerate(tensors):
             works.append(self.post(lambda t=t, i=i: dist.isend(t, peer, group=group, tag=self._tag(msg, i + 1)),
                                    f"the send of {msg.kind} {msg.src}->{msg.dst} micro-batch {msg.mb}"))
