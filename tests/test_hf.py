@@ -284,3 +284,19 @@ def test_trainer_accepts_a_configs_file_without_zero_section(tmp_path_factory):
 ])
 def test_trainer_refuses_bad_setups_before_work(tmp_path_factory, scenario, message):
     assert message in (hf_results(tmp_path_factory, 4)[scenario]["error"] or "")
+
+
+def test_readme_example_trains_and_reloads(tmp_path):
+    """examples/hf_trainer.py as the README runs it (4 ranks), here with Llama on zbv: loss falls, HF folder reloads."""
+    root = os.path.dirname(HERE)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
+           os.path.join(root, "examples", "hf_trainer.py"), "--model", "llama", "--deepspeed",
+           os.path.join(root, "configs", "zbv.json"), "--steps", "10", "--output_dir", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("[hf_trainer]"))
+    assert "schedule zbv, 4 stages x 1 data-parallel" in line and "reloaded LlamaForCausalLM" in line
+    losses = json.loads(line.split("logged losses ")[1].split(";")[0])
+    assert len(losses) == 2 and losses[-1] < losses[0], losses
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(tmp_path / "out" / "final"))

@@ -62,6 +62,14 @@ def test_placements_and_loss_dicts_follow_the_schedule(contract_results):
     assert sum(by_rank[r][("chimera", 4)]["holds_loss"] for r in range(4)) == 2     # both ends of Chimera
 
 
+def test_unsplittable_setups_are_refused_on_every_rank(contract_results):
+    for results in contract_results:
+        refusals = results[-2]["refusals"]
+        assert "gradient_accumulation_fusion=True adds weight gradients during the input pass" in refusals["fusion"]
+        assert "recompute_granularity='full'" in refusals["recompute"]
+        assert "collect_non_loss_data=True needs forward_only=True" in refusals["non-loss-training"]
+
+
 def test_install_routes_megatrons_get_forward_backward_func(contract_results):
     for results in contract_results:
         assert results[-1] == {"installed": "chimera", "restored_is_megatron": True}
@@ -117,6 +125,23 @@ def test_the_schedule_flag_is_taken_out_of_argv():
         chosen_schedule(["x.py", "--pipeline-schedule", "zbv", "--pipeline-schedule-options", "[1]"])
 
 
+def test_install_takes_v_from_megatrons_virtual_pipeline_size(monkeypatch):
+    import megatron.core.pipeline_parallel as pipeline_parallel
+    from ds_chimera.megatron import install, uninstall
+    megatrons = pipeline_parallel.get_forward_backward_func
+    try:
+        assert install("breadth-first") == "breadth-first"
+        assert pipeline_parallel.get_forward_backward_func(vp_size=3).options == {"chunks": 3}
+        assert pipeline_parallel.get_forward_backward_func().options == {}      # no virtual pipeline: the default
+        monkeypatch.delenv("DS_CHIMERA_PIPELINE_SCHEDULE", raising=False)
+        before = pipeline_parallel.get_forward_backward_func
+        assert install(argv=["x.py"]) is None                                    # nothing chosen: nothing changes
+        assert pipeline_parallel.get_forward_backward_func is before
+    finally:
+        uninstall()
+    assert pipeline_parallel.get_forward_backward_func is megatrons
+
+
 def test_micro_batch_feed_hands_each_forward_its_own_micro_batch():
     from ds_chimera.megatron.contract import _MicroBatchFeed, _OneMicroBatch
     source = iter(range(100))
@@ -149,3 +174,51 @@ def test_example_trains_under_the_launcher_flag():
     assert "schedule zbv on 4 pipeline ranks" in proc.stdout
     losses = [float(line.split(" loss ")[1].split()[0]) for line in proc.stdout.splitlines() if " loss " in line]
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.3, losses
+
+
+class _TiedLM(__import__("torch").nn.Module):
+    """A head that reuses the embedding's weight outside the embedding's call, and a layer called twice."""
+
+    def __init__(self, call_twice: bool):
+        import torch
+        super().__init__()
+        self.call_twice = call_twice
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(11, 6)
+        self.mid = torch.nn.Linear(6, 6)
+        self.norm = torch.nn.LayerNorm(6)
+        self.twice = torch.nn.Linear(6, 6)
+
+    def forward(self, ids):
+        h = self.twice(self.mid(self.emb(ids)).tanh())
+        if self.call_twice:
+            h = self.twice(h)
+        return (self.norm(h) @ self.emb.weight.t()).logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize("call_twice", [False, True], ids=["tied", "tied-and-called-twice"])
+def test_split_backward_of_captured_blocks_equals_a_full_backward(call_twice):
+    """I then W over forward-hook blocks gives exactly the gradients of one backward, tied weights included."""
+    import torch
+    from ds_chimera.megatron.contract import _blocks_of, _settle_blocks
+    from ds_chimera.runtime.executor import StepExecutor
+    model = _TiedLM(call_twice)
+    ids = torch.tensor([[1, 4, 7], [2, 9, 3]])
+
+    model(ids).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    capture = []
+    with _blocks_of(model, capture) as nodes:
+        out = model(ids)
+    _settle_blocks(model, capture, nodes, out)
+    work = StepExecutor._input_grad([out], None, [], capture)
+    deferred = {id(p) for _, _, params in work for p in params}
+    assert id(model.mid.weight) in deferred                     # a plain block's W is really deferred
+    if not call_twice:      # (a module called twice sends the whole chunk to one W pass instead)
+        assert id(model.emb.weight) not in deferred             # the tied weight is not (its other use would be lost)
+        assert model.emb.weight.grad is not None                # it got its gradient in the input pass
+    for outs, grads, params in work:
+        torch.autograd.backward(outs, grad_tensors=grads, inputs=params)
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, expected[name], atol=1e-6), name

@@ -28,6 +28,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.utils._pytree import tree_leaves
 
 from ..runtime.executor import StepExecutor
 from ..runtime.p2p import P2P, wait_or_fail
@@ -45,6 +46,17 @@ class _DefaultConfig:
     calculate_per_token_loss: bool = False
     enable_autocast: bool = False
     autocast_dtype: object = None
+
+
+def _to_device(value, device):
+    """``value`` (tensors inside dicts, lists, tuples) with its tensors on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
 
 
 def _unwrap(module):
@@ -150,6 +162,8 @@ class _MegatronStep:
         self.num_microbatches, self.collect_non_loss_data = num_microbatches, collect_non_loss_data
         self.train = train
         self.loss_func = None
+        self.started: set = set()       # chunks that ran their first forward of this call
+        self.grad_scale = 1.0
         self.reduced: dict = {}         # micro-batch -> what loss_func reported
         self.num_tokens = torch.zeros((), dtype=torch.int64)
         self.pending: list = []
@@ -169,10 +183,33 @@ class _MegatronStep:
         autocast = contextlib.nullcontext()
         if getattr(self.config, "enable_autocast", False):
             autocast = torch.autocast(next(chunk.parameters()).device.type, dtype=self.config.autocast_dtype)
-        with autocast, _blocks_of(chunk, capture):
+        if c not in self.started and hasattr(_unwrap(chunk), "set_is_first_microbatch"):
+            _unwrap(chunk).set_is_first_microbatch()        # FP8 layers recast their weights once per call
+        self.started.add(c)
+        with autocast, _blocks_of(chunk, capture) as nodes:
             output, loss_func = self.forward_step_func(data, chunk)
+        if capture is not None:
+            _settle_blocks(chunk, capture, nodes, output)
         self.loss_func = loss_func
+        self._set_auxiliary_loss_scales(output)
         return output
+
+    def _set_auxiliary_loss_scales(self, output) -> None:
+        """MoE and multi-token-prediction losses are scaled as the main loss, as Megatron does after each forward."""
+        config = self.config
+        moe = getattr(config, "num_moe_experts", None) is not None
+        mtp = getattr(config, "mtp_num_layers", None) is not None
+        if not (moe or mtp) or not self.train:
+            return
+        device = output.device if isinstance(output, torch.Tensor) else None
+        scale = self.grad_scale * torch.ones(1, device=device)
+        per_token = getattr(config, "calculate_per_token_loss", False)
+        if moe:
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+            MoEAuxLossAutoScaler.set_loss_scale(scale if per_token else scale * self.cp_size / self.num_microbatches)
+        if mtp:
+            from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+            MTPLossAutoScaler.set_loss_scale(scale if per_token else scale / self.num_microbatches)
 
     def compute_loss(self, output, mb: int):
         """Megatron's loss bookkeeping for the forward that just ran on a loss stage."""
@@ -240,32 +277,97 @@ def _blocks_of(chunk, capture):
 
     The weight-gradient pass then differentiates each module from its own output to its
     own parameters. Parameters no module owns directly get their gradients with the input
-    gradients (block without output).
+    gradients (a block without output), and so do parameters that the autograd graph shows
+    used outside their module's recorded call (tied weights, a second call): per-module W
+    would miss those uses.
     """
     if capture is None:
-        yield
+        yield None
         return
     owners = [m for m in chunk.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+    nodes: list = []          # per capture entry: the grad_fns of its outputs when recorded
 
     def record(module, args, output):
         params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        outs = tuple(t for t in (output if isinstance(output, (tuple, list)) else (output,))
-                     if isinstance(t, torch.Tensor) and t.requires_grad)
+        # graph outputs only: a parameter handed back (Megatron's skip_bias_add bias) is not one
+        outs = tuple(t for t in tree_leaves(output)
+                     if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None)
         if outs:
             capture.append((outs, params, tuple(t._version for t in outs)))
         else:
             capture.append((None, params))
+        nodes.append(tuple(t.grad_fn for t in outs))
 
     handles = [m.register_forward_hook(record) for m in owners]
     try:
-        yield
+        yield nodes
     finally:
         for handle in handles:
             handle.remove()
-    owned = {id(p) for block in capture for p in block[1]}
-    rest = [p for p in chunk.parameters() if p.requires_grad and id(p) not in owned]
+
+
+def _settle_blocks(chunk, capture: list, nodes: list, output) -> None:
+    """Move every parameter per-module W would get wrong to the input-gradient pass.
+
+    Walks the autograd graph from the chunk's output and from each block's output; a walk
+    stops at other blocks' outputs. A parameter reached from the chunk's output, or from a
+    block that does not own it, is used outside its owner's recorded output.
+    """
+    boundary = {}
+    for i, grad_fns in enumerate(nodes):
+        for node in grad_fns:
+            if node is not None:
+                boundary.setdefault(node, set()).add(i)
+    used_elsewhere = set()
+
+    def walk(starts, owner):
+        stack, seen = list(starts), set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if node in boundary and owner not in boundary[node]:
+                continue                                   # another block's output: its own walk covers it
+            variable = getattr(node, "variable", None)      # AccumulateGrad: a parameter
+            if variable is not None:
+                if owner is None or id(variable) not in owned[owner]:
+                    used_elsewhere.add(id(variable))
+                continue
+            stack.extend(next_node for next_node, _ in node.next_functions)
+
+    owned = [{id(p) for p in block[1]} for block in capture]
+    walk([t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor)], None)
+    for i, grad_fns in enumerate(nodes):
+        starts = [next_node for node in grad_fns if node is not None for next_node, _ in node.next_functions]
+        walk(starts, i)
+    now = []
+    for i, block in enumerate(capture):
+        if block[0] is None:
+            continue
+        moved = [p for p in block[1] if id(p) in used_elsewhere]
+        if moved:
+            now += moved
+            capture[i] = (block[0], [p for p in block[1] if id(p) not in used_elsewhere]) + tuple(block[2:])
+    owned_ids = {id(p) for block in capture for p in block[1]}
+    rest = [p for p in chunk.parameters() if p.requires_grad and id(p) not in owned_ids]
     if rest:
         capture.append((None, rest))
+
+
+def _check_split_backward(schedule, config, rank: int) -> None:
+    """Configurations whose backward cannot be split into input- and weight-gradient passes."""
+    if not any(a.kind == "I" for a in schedule.orders[rank]):
+        return
+    for flag in ("gradient_accumulation_fusion", "fuse_wgrad_accumulation"):
+        if getattr(config, flag, False):
+            raise ValueError(f"schedule {schedule.name!r} splits the backward into input and weight gradients, but "
+                             f"{flag}=True adds weight gradients during the input pass (they would count twice); "
+                             f"set {flag}=False or use a schedule without a split backward")
+    if getattr(config, "recompute_granularity", None):
+        raise ValueError(f"schedule {schedule.name!r} splits the backward, which Megatron's activation recompute "
+                         f"(recompute_granularity={config.recompute_granularity!r}) does not allow; turn recompute "
+                         f"off or use a schedule without a split backward")
 
 
 def _context_parallel_size() -> int:
@@ -285,6 +387,7 @@ class ScheduleRunner:
         self.name, self.options, self.timeout_s = name, dict(options), timeout_s
         self._programs: dict = {}
         self._comms: dict = {}
+        self._shapes: dict = {}
         self.rank = None
         self.p2p = None
         self.groups = None
@@ -338,9 +441,20 @@ class ScheduleRunner:
         train = not forward_only
         step = _MegatronStep(self, schedule, chunks, feeds, config, forward_step_func, num_microbatches,
                              collect_non_loss_data, train)
+        if collect_non_loss_data and train:
+            raise ValueError("collect_non_loss_data=True needs forward_only=True (Megatron collects it in evaluation)")
+        if train:
+            _check_split_backward(schedule, config, self.rank)
+        shapes = (seq_length, micro_batch_size, decoder_seq_length)
+        if shapes != self._shapes.get(id(self.p2p)):
+            # Megatron sizes its buffers from these arguments: new ones may mean new tensor shapes
+            self.p2p.sent_meta.clear()
+            self.p2p.recv_meta.clear()
+            self._shapes[id(self.p2p)] = shapes
         scale = 1.0
         if train and config.grad_scale_func is not None:
             scale = config.grad_scale_func(torch.ones(1, device=device))
+        step.grad_scale = scale
         batches = {mb: ((), mb) for mb in range(num_microbatches)}
         no_sync = config.no_sync_func if train and config.no_sync_func is not None else contextlib.nullcontext
         with contextlib.ExitStack() as stack:
@@ -350,16 +464,16 @@ class ScheduleRunner:
                                    scale=scale)
         for feed in shared.values():
             feed.finish()
-        losses = self._gather_losses(step, placement, group)
+        losses = self._gather_losses(step, placement, group, device)
         if train:
             step.finish_grad_syncs()
             num_tokens = None
             if getattr(config, "calculate_per_token_loss", False):
                 # tokens are counted wherever a loss stage ran (two ranks under Chimera)
-                total = step.num_tokens.clone()
+                total = step.num_tokens.to(device)        # NCCL reduces device tensors only
                 wait_or_fail(lambda: dist.all_reduce(total, group=group, async_op=True), self.timeout_s,
                              "the token-count all-reduce")
-                num_tokens = total.to(device)
+                num_tokens = total
             if config.finalize_model_grads_func is not None:
                 config.finalize_model_grads_func(chunks, num_tokens, pg_collection=pg_collection,
                                                  force_all_reduce=force_all_reduce)
@@ -392,20 +506,21 @@ class ScheduleRunner:
                                  f"stage {stage} (pipeline rank {self.rank} holds stages {stages}); build the "
                                  f"chunks for this schedule")
 
-    def _gather_losses(self, step, placement, group) -> list:
+    def _gather_losses(self, step, placement, group, device) -> list:
         """Per-micro-batch results in order, on every rank that holds a loss stage."""
         loss_ranks = sorted({placement.rank_of(c.index) for c in placement.chunks
                              if placement.next_chunk(c.index) is None})
         if len(loss_ranks) == 1:
             return [step.reduced[mb] for mb in sorted(step.reduced)]
+        # CPU copies travel: pickled device tensors would be rebuilt on the sender's device index
         everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, step.reduced, group=group)
+        dist.all_gather_object(everyone, _to_device(step.reduced, torch.device("cpu")), group=group)
         if self.rank not in loss_ranks:
             return []
         merged = {}
         for part in everyone:
             merged.update(part)
-        return [merged[mb] for mb in sorted(merged)]
+        return [_to_device(merged[mb], device) for mb in sorted(merged)]
 
 
 def get_forward_backward_func(schedule: str = "1f1b", *, timeout: float = DEFAULT_TIMEOUT_S, **options):

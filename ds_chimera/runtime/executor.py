@@ -125,9 +125,10 @@ class StepExecutor:
                         blocks[(c, mb)] = capture
                     if placement.next_chunk(c) is None:
                         out = ctx.compute_loss(out, batches[mb][1])
-                        value = out.detach().float()
-                        loss_sum = value if loss_sum is None else loss_sum + value
-                        loss_count += 1
+                        if isinstance(out, torch.Tensor) and out.numel() == 1:   # not e.g. logits collected in eval
+                            value = out.detach().float()
+                            loss_sum = value if loss_sum is None else loss_sum + value
+                            loss_count += 1
                     if train or placement.next_chunk(c) is not None:
                         outputs[(c, mb)] = out
                 elif kind in (BACKWARD, INPUT_GRAD):
@@ -208,7 +209,7 @@ class StepExecutor:
             out, params = block[0], block[1]
             if out is None or (len(block) > 2 and _versions(out) != block[2]):
                 now += params
-            else:
+            elif params:
                 kept.append((out, params))
         now = list({id(p): p for p in now}.values())
         seen, shared = {id(p) for p in now}, False
@@ -223,20 +224,32 @@ class StepExecutor:
                 got = torch.autograd.grad(tensors, leaves, grad_outputs=grads, retain_graph=True, allow_unused=True)
                 for leaf, g in zip(leaves, got):
                     leaf.grad = g if g is not None else torch.zeros_like(leaf)
-            params = list({id(p): p for _, ps in blocks for p in ps}.values())
+            params = list({id(p): p for block in blocks for p in block[1]}.values())
             return [(tensors, grads, params)]
         outs = [[t for t in _as_tuple(out) if isinstance(t, torch.Tensor) and t.requires_grad]
                 for out, _ in kept]
         flat = [t for group in outs for t in group]
-        wanted = leaves + flat + now
-        got = torch.autograd.grad(tensors, wanted, grad_outputs=grads, retain_graph=bool(flat),
-                                  allow_unused=True) if wanted else []
-        for leaf, g in zip(leaves, got[:len(leaves)]):
-            leaf.grad = g if g is not None else torch.zeros_like(leaf)
-        for p, g in zip(now, got[len(leaves) + len(flat):]):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
-        block_grads = iter(got[len(leaves):len(leaves) + len(flat)])
+        if now:
+            # backward(inputs=...), not grad(): the parameters' own accumulation hooks must run
+            # (Megatron DDP copies .grad into main_grad there)
+            for t in flat:
+                t.retain_grad()
+            torch.autograd.backward(tensors, grad_tensors=grads, inputs=leaves + flat + now, retain_graph=bool(flat))
+            for leaf in leaves:
+                if leaf.grad is None:
+                    leaf.grad = torch.zeros_like(leaf)
+            got = [t.grad for t in flat]
+            for t in flat:
+                if t.grad_fn is not None:       # the block outputs' .grad were only a way to read them
+                    t.grad = None
+        else:
+            wanted = leaves + flat
+            got = torch.autograd.grad(tensors, wanted, grad_outputs=grads, retain_graph=bool(flat),
+                                      allow_unused=True) if wanted else []
+            for leaf, g in zip(leaves, got[:len(leaves)]):
+                leaf.grad = g if g is not None else torch.zeros_like(leaf)
+            got = got[len(leaves):]
+        block_grads = iter(got)
         work = []
         for group, (_, params) in zip(outs, kept):
             gs = [next(block_grads) for _ in group]

@@ -141,6 +141,8 @@ def run_case(schedule, options, pp, loss_form, rank, world):
         for name, p in chunk.named_parameters():
             ref = ref_grads[to_full_name(name, stage, per_stage)]
             weight_diff = max(weight_diff, (p.detach() - ref.detach()).abs().max().item())
+            if p.grad is None:
+                raise RuntimeError(f"no grad: stage {stage} {name}")
             grad_diff = max(grad_diff, (p.grad - ref.grad).abs().max().item())
             grad_norm += ref.grad.double().pow(2).sum().item()
     holds_loss = any(c._ds_chimera_stage == total - 1 for c in chunks)
@@ -151,6 +153,33 @@ def run_case(schedule, options, pp, loss_form, rank, world):
     return {"schedule": schedule, "pp": pp, "stages": [c._ds_chimera_stage for c in chunks], "grad_diff": grad_diff,
             "weight_diff": weight_diff, "grad_norm": grad_norm ** 0.5, "holds_loss": holds_loss, "losses": len(got), "eval_losses": len(got_eval),
             "loss_diff": loss_diff, "eval_diff": eval_diff, "finalize_calls": len(calls)}
+
+
+def run_refusals():
+    """Set-ups the contract refuses on every rank before any message moves."""
+    from megatron.core import parallel_state
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=4)
+    config = gpt_config(4, None)
+    chunks = dsm.build_model_chunks(provider_for(config), "zb-h1")
+    batches = [micro_batch(0, mb) for mb in range(N)]
+    messages = {}
+    for key, change, kwargs in (("fusion", {"gradient_accumulation_fusion": True}, {}),
+                                ("recompute", {"recompute_granularity": "full"}, {}),
+                                ("non-loss-training", {}, {"collect_non_loss_data": True})):
+        saved = {k: getattr(config, k) for k in change}
+        for k, v in change.items():
+            setattr(config, k, v)
+        try:
+            dsm.get_forward_backward_func("zb-h1", timeout=30)(
+                forward_step_func=forward_step_for(2), data_iterator=iter(batches), model=chunks, num_microbatches=N,
+                seq_length=SEQ, micro_batch_size=MBS, **kwargs)
+            messages[key] = None
+        except ValueError as exc:
+            messages[key] = str(exc)
+        for k, v in saved.items():
+            setattr(config, k, v)
+    return {"refusals": messages}
 
 
 def run_installed(rank, world):
@@ -190,6 +219,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     dsm.enable_cpu()
     results = [run_case(*case, rank, world) for case in CASES]
+    results.append(run_refusals())
     results.append(run_installed(rank, world))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(results, fh)
