@@ -23,7 +23,7 @@ OTHER = ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv", "actckpt-4x1-chime
          "actckpt-4x1-interleaved", "ckpt-resume-chimera", "ckpt-resume-2x2-zbv", "ckpt-cross-chimera-to-1f1b",
          "ckpt-cross-chimera-to-stock", "ckpt-cross-zbv-to-interleaved", "stock-clipping", "bf16-4x1-chimera",
          "bf16-2x2-zbv", "bf16-4x1-stock", "bf16-4x1-1f1b-noclip", "zero1-2x2-breadth-first", "zero1-2x2-zbv",
-         "zero1-2x2-zbv-tied", "lm-chimera", "lm-zbv", "trace-chimera", "trace-zbv", "bad-zero1-chimera", "bad-zero1-tied", "bad-zero2",
+         "zero1-2x2-zbv-tied", "zero1-2x2-breadth-first-end", "lm-chimera", "lm-zbv", "trace-chimera", "trace-zbv", "bad-zero1-chimera", "bad-zero1-tied", "bad-zero2", "bad-zero1-reduce",
          "bad-fp16", "bad-load-other-schedule", "bad-batch-split", "bad-unknown",
          "bad-pipelines", "bad-interleaved-n", "bad-option", "bad-async-tied", "bad-async-actckpt", "bad-async-bf16",
          "bad-async-steps-ahead"]
@@ -57,7 +57,8 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("scenario", EQUIV + ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv",
-                                      "zero1-2x2-breadth-first", "zero1-2x2-zbv", "zero1-2x2-zbv-tied"])
+                                      "zero1-2x2-breadth-first", "zero1-2x2-zbv", "zero1-2x2-zbv-tied",
+                                      "zero1-2x2-breadth-first-end"])
 def test_schedule_equals_single_process_training(results, scenario):
     r = results[scenario]
     assert max(r["ref_norms"]) > r["clip"], "clipping must be active for this test to mean anything"
@@ -114,6 +115,7 @@ def test_global_norm_clipping_where_deepspeed_stock_is_wrong(results):
     ("bad-zero1-chimera", "ZeRO stage 1 with schedule 'chimera' is not supported: its stages are replicated"),
     ("bad-zero1-tied", "ZeRO stage 1 with weights tied across pipeline ranks (proj) is not supported"),
     ("bad-zero2", "ZeRO stage 2 does not compose with pipeline schedules; use stage 0 or 1"),
+    ("bad-zero1-reduce", "\"zero1_reduce\": ...} must be one of chunk, end; got 'later'"),
     ("bad-fp16", "fp16 training (loss scaling) is not supported by ds_chimera schedules yet"),
     ("bad-batch-split", "train_batch_size 10 is not divisible by train_micro_batch_size_per_gpu 4 x data-parallel "
                         "size 1"),
@@ -244,3 +246,10 @@ def test_every_shipped_config_trains_with_its_schedule(results, name):
     assert r["micro_batches"] == cfg["train_batch_size"] // (cfg["train_micro_batch_size_per_gpu"])
     assert all(loss == loss and loss < 10 for loss in r["losses"])          # finite
     assert r["losses"][-1] < r["losses"][0] - 0.05, r["losses"]
+
+
+@pytest.mark.parametrize("scenario,early", [("zero1-2x2-breadth-first", 2), ("zero1-2x2-zbv", 2),
+                                            ("zero1-2x2-breadth-first-end", 0)])
+def test_zero1_reduces_each_chunk_when_it_is_done(results, scenario, early):
+    """ZeRO-1: a chunk's gradients go to ZeRO's reduction at its GradSync (both chunks per rank), or all at the end."""
+    assert results[scenario]["zero1_early_chunks"] == early

@@ -175,7 +175,57 @@ class ScheduledPipelineEngine(PipelineEngine):
     def start_grad_sync(self, stage: int) -> None:
         """Post the all-reduce of one stage's gradients; called by the program right after its last backward."""
         chunk = self.chunk_modules[self.stage_chunk[stage]]
-        self._post_allreduce(chunk, self.stage_groups.get(stage), f"stage {stage}")
+        group = self.stage_groups.get(stage)
+        self._post_allreduce(chunk, group, f"stage {stage}")
+        if self.zero1 and group is None and self.plan.zero1_reduce == "chunk":
+            self._zero1_reduce(chunk.parameters())
+            self.zero1_early_chunks += 1
+
+    # ---- ZeRO-1: each chunk's gradients go to their optimizer partitions when the chunk is done ----
+    def _zero1_start(self) -> None:
+        """Prepare DeepSpeed's reduce buckets, as its own pipeline path does in reduce_gradients."""
+        from deepspeed.accelerator import get_accelerator
+        opt = self.optimizer
+        opt.set_gradient_accumulation_boundary(False)     # reduce hooks (overlap_comm) stay idle in backward
+        if opt.contiguous_gradients:
+            for dtype, bucket in opt.ipg_buckets.items():
+                bucket.buffer.append(torch.empty(int(opt.reduce_bucket_size), dtype=dtype,
+                                                 device=get_accelerator().current_device_name()))
+                bucket.index = 0
+        self._zero1_reduced = set()
+        self.zero1_early_chunks = 0          # chunks reduced before the flush in this call (for inspection)
+        if not hasattr(self, "_zero1_group_of"):
+            self._zero1_group_of = {id(p): i for i, group in enumerate(opt.bit16_groups) for p in group}
+
+    def _zero1_reduce(self, params, flush: bool = True) -> None:
+        """Hand finished gradients to ZeRO's reduction (into the owning data-parallel rank's partition).
+
+        With ``overlap_comm`` DeepSpeed runs the reduction on a side stream, so it overlaps the
+        chunks still computing; without it the reduction runs now, in this rank's bubble.
+        """
+        opt = self.optimizer
+        opt.set_gradient_accumulation_boundary(True)
+        try:
+            for p in params:
+                if id(p) in self._zero1_reduced or id(p) not in self._zero1_group_of or \
+                        opt.get_gradient_for_reduction(p) is None:
+                    continue
+                opt.reduce_ready_partitions_and_remove_grads(p, self._zero1_group_of[id(p)])
+                self._zero1_reduced.add(id(p))
+            if flush:
+                opt.reduce_ipg_grads()
+                if opt.contiguous_gradients and opt.overlap_comm:
+                    for bucket in opt.ipg_buckets.values():
+                        bucket.index = 1 - bucket.index
+        finally:
+            opt.set_gradient_accumulation_boundary(False)
+
+    def _zero1_finish(self) -> None:
+        """Reduce what no chunk reduced (tied modules, or zero1_reduce="end"), then ZeRO's epilogue."""
+        opt = self.optimizer
+        self._zero1_reduce([p for group in opt.bit16_groups for p in group], flush=False)
+        opt.set_gradient_accumulation_boundary(True)
+        opt.overlapping_partition_gradients_reduce_epilogue()
 
     def _post_allreduce(self, module, group, what: str) -> None:
         """Start an async all-reduce of ``module``'s gradients, flattened; _finish_grad_syncs waits."""
@@ -273,13 +323,13 @@ class ScheduledPipelineEngine(PipelineEngine):
     def _train_call(self, trace: bool):
         """The work of one train_batch: the program, the gradient syncs, the step. Returns the loss sum."""
         batches = self._load_batches(self.micro_batches)
+        if self.zero1:
+            self._zero1_start()
         loss_sum, _ = self.executor.run(self.plan.program.ops[self.pipe_rank], batches, train=True,
                                         scale=1.0 / self.micro_batches, trace=trace)
         self._finish_grad_syncs()
         if self.zero1:
-            self._force_grad_boundary = True
-            self.allreduce_gradients()        # ZeRO-1: average into this rank's partition
-            self._force_grad_boundary = False
+            self._zero1_finish()             # ZeRO-1 averages into each rank's partition and clips there
         else:
             self._clip_gradients()
         self._take_model_step(None)

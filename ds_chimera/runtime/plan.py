@@ -16,7 +16,8 @@ from ..sim.simulator import simulate
 # keys of the "pipeline" section that DeepSpeed itself owns
 DEEPSPEED_PIPELINE_KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_interval",
                            "pipe_partitioned", "grad_partitioned", "use_reentrant"}
-RUNTIME_KEYS = {"schedule", "timeout", "trace_dir", "partition_method"}
+RUNTIME_KEYS = {"schedule", "timeout", "trace_dir", "partition_method", "zero1_reduce"}
+ZERO1_REDUCE = ("chunk", "end")     # ZeRO-1: reduce each chunk's gradients when it is done, or all at the end
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -29,6 +30,7 @@ class Plan:
     timeout_s: float
     trace_dir: str | None
     clip: float
+    zero1_reduce: str = "chunk"
 
     @property
     def placement(self):
@@ -105,4 +107,8 @@ def make_plan(config: dict, num_stages: int, dp: int, num_layers: int, parts_fn)
     program, eval_program = proven_programs(schedule)
     parts = parts_fn(schedule.placement.num_stages, runtime.get("partition_method"))
     clip = float(config.get("gradient_clipping", 1.0))
-    return Plan(schedule, program, eval_program, parts, float(timeout), runtime.get("trace_dir"), clip)
+    zero1_reduce = runtime.get("zero1_reduce", "chunk")
+    if zero1_reduce not in ZERO1_REDUCE:
+        raise ValueError(f'"pipeline": {{"zero1_reduce": ...}} must be one of {", ".join(ZERO1_REDUCE)}; '
+                         f"got {zero1_reduce!r}")
+    return Plan(schedule, program, eval_program, parts, float(timeout), runtime.get("trace_dir"), clip, zero1_reduce)

@@ -118,6 +118,7 @@ def train_and_compare(schedule, stages, dp, n, steps=3, tied=False, clip=0.5, ac
     ref_eval = sum(torch.nn.functional.mse_loss(_forward(ref_layers, x), y).item()
                    for x, y in global_batches(steps)) / (n * dp)
     result["eval_diff"] = abs(eval_loss - ref_eval)
+    result["zero1_early_chunks"] = getattr(engine, "zero1_early_chunks", None)
     return result
 
 
@@ -247,6 +248,8 @@ def bad_config(kind):
             make_engine(2, cfg, specs)
         elif kind == "async-steps-ahead":
             make_engine(4, config("pipeoptim", 8, 1, steps_ahead="later"), specs)
+        elif kind == "zero1-reduce":
+            make_engine(4, config("breadth-first", 8, 1, zero1_reduce="later"), specs)
         elif kind == "zero2":
             cfg = config("breadth-first", 8, 1)
             cfg["zero_optimization"] = {"stage": 2}
@@ -431,6 +434,8 @@ SCENARIOS["trace-zbv"] = lambda: traced_step("zbv")
 SCENARIOS["lm-chimera"] = lambda: lm_training("chimera")
 SCENARIOS["lm-zbv"] = lambda: lm_training("zbv")
 SCENARIOS["zero1-2x2-breadth-first"] = lambda: train_and_compare("breadth-first", 2, 2, 4, zero=1, chunks=2)
+SCENARIOS["zero1-2x2-breadth-first-end"] = lambda: train_and_compare("breadth-first", 2, 2, 4, zero=1, chunks=2,
+                                                                   zero1_reduce="end")
 SCENARIOS["zero1-2x2-zbv-tied"] = lambda: train_and_compare("zbv", 2, 2, 4, zero=1, tied=True)
 SCENARIOS["zero1-2x2-zbv"] = lambda: train_and_compare("zbv", 2, 2, 4, zero=1)
 SCENARIOS["bf16-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8, bf16=True)
@@ -446,7 +451,8 @@ for key, opts in {"1f1b": {}, "gpipe": {}, "interleaved": {"chunks": 2}, "breadt
                   "zb-h1": {}, "zbv": {}}.items():
     SCENARIOS[f"equiv-1x1-{key}"] = (lambda key=key, opts=opts: train_and_compare(key, 1, 1, 4, **opts))
     SCENARIOS[f"bf16-1x1-{key}"] = (lambda key=key, opts=opts: train_and_compare(key, 1, 1, 4, bf16=True, **opts))
-for kind in ("unknown", "pipelines", "interleaved-n", "option", "zero1-chimera", "zero1-tied", "zero2", "fp16", "batch-split",
+for kind in ("unknown", "pipelines", "interleaved-n", "option", "zero1-chimera", "zero1-tied", "zero2", "zero1-reduce",
+             "fp16", "batch-split",
              "load-other-schedule", "async-tied", "async-actckpt", "async-bf16", "async-steps-ahead"):
     SCENARIOS[f"bad-{kind}"] = (lambda kind=kind: bad_config(kind))
 
