@@ -48,6 +48,8 @@ def worker(args):
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
+    from ds_chimera.sim import Costs, simulate
+
     sys.path.insert(0, HERE)
     from timed_model import WIDTH, TimedLayer
 
@@ -83,7 +85,6 @@ def worker(args):
             engine, _, _, _ = deepspeed.initialize(model=net, config=ds_config(n, (name, options)), optimizer=sgd)
             batch = data(n)
             median = timed(lambda: engine.train_batch(iter(batch)), args.repeats)
-            from ds_chimera.sim import Costs, simulate
             sim0 = simulate(engine.plan.program, Costs(fwd=COST_S, bwd=2 * COST_S, wgrad=COST_S)).makespan
             f_s, i_s, w_s = calibrated
             sim = simulate(engine.plan.program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=latency)).makespan
@@ -99,7 +100,6 @@ def worker(args):
                 continue
             step, program = megatron_contract_step(name, options, n, specs, world, rank, data)
             median = timed(step, args.repeats)
-            from ds_chimera.sim import Costs, simulate
             f_s, i_s, w_s = calibrated
             sim = simulate(program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=latency)).makespan
             rows.append({"runtime": "ds_chimera.megatron", "schedule": label(name, options), "N": n, "step_s": median,

@@ -1,5 +1,9 @@
 """Helpers shared by the multi-process tests."""
+import os
 import socket
+import subprocess
+import sys
+import time
 
 
 def free_port() -> int:
@@ -7,3 +11,28 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def run_ranks(args: list, world: int, env: dict, timeout_s: float) -> tuple:
+    """Run ``python ARGS`` as ranks 0..world-1 of one gloo group, without torchrun.
+
+    torchrun stops every rank when one dies; the fault tests need the survivors to fail on
+    their own. Returns ([(returncode, stdout, stderr)] per rank, seconds taken). If any rank
+    is still running after ``timeout_s``, all are killed and TimeoutError is raised.
+    """
+    port, procs = free_port(), []
+    for rank in range(world):
+        rank_env = dict(os.environ, **env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, *args], env=rank_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    start, outputs = time.monotonic(), []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise TimeoutError(f"a rank was still running after {timeout_s:g}s") from None
+        outputs.append((proc.returncode, out, err))
+    return outputs, time.monotonic() - start

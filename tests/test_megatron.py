@@ -3,11 +3,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
-from netutil import free_port
+from netutil import free_port, run_ranks
 
 pytest.importorskip("megatron.core", reason="megatron-core is installed by `make install`")
 
@@ -76,27 +75,17 @@ def test_install_routes_megatrons_get_forward_backward_func(contract_results):
 
 
 def test_dead_rank_stops_the_others_with_a_clear_error():
-    timeout_s, port, procs = 5, free_port(), []
-    for rank in range(4):
-        env = dict(_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="4", LOCAL_WORLD_SIZE="4",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DIE_RANK="3")
-        procs.append(subprocess.Popen([sys.executable, WORKER, "dead", str(timeout_s)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    start, outputs = time.monotonic(), []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail("a surviving rank hung after its peer died")
-        outputs.append((proc.returncode, out, err))
+    timeout_s = 5
+    try:
+        outputs, elapsed = run_ranks([WORKER, "dead", str(timeout_s)], 4, dict(_env(), DIE_RANK="3"), timeout_s=240)
+    except TimeoutError:
+        pytest.fail("a surviving rank hung after its peer died")
     assert outputs[3][0] == 17
     for rank in (0, 1, 2):
         code, out, err = outputs[rank]
         assert code != 0 and "finished the step" not in out
         assert "ds_chimera:" in err and "died or is stuck" in err, err[-3000:]
-    assert time.monotonic() - start < 120 + 4 * timeout_s
+    assert elapsed < 120 + 4 * timeout_s
 
 
 def test_bad_schedule_names_and_options_fail_before_any_work():

@@ -3,12 +3,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from netutil import free_port
+from netutil import free_port, run_ranks
 
 from ds_chimera.sim.memory import TaskMemory, wavelet_memory
 from ds_chimera.wavelet import TICK, TOCK, WaveLayout, wavelet_reference
@@ -87,27 +86,17 @@ def test_engine_equals_the_documented_recurrence(tmp_path):
 
 
 def test_dead_task_stops_the_others():
-    timeout_s, port, procs = 5, free_port(), []
-    for rank in range(4):
-        env = _env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4",
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DIE_RANK": "3"})
-        procs.append(subprocess.Popen([sys.executable, WORKER, "dead", str(timeout_s)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    start, outputs = time.monotonic(), []
-    for proc in procs:
-        try:
-            outputs.append((proc.returncode,) + proc.communicate(timeout=180))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail("a surviving task hung after its peer died")
-        outputs[-1] = (proc.returncode,) + outputs[-1][1:]
+    timeout_s = 5
+    try:
+        outputs, elapsed = run_ranks([WORKER, "dead", str(timeout_s)], 4, _env({"DIE_RANK": "3"}), timeout_s=180)
+    except TimeoutError:
+        pytest.fail("a surviving task hung after its peer died")
     assert outputs[3][0] == 17
     for rank in (0, 1, 2):
         code, out, err = outputs[rank]
         assert code != 0 and "finished all steps" not in out
         assert "ds_chimera wavelet:" in err and "a task died or is stuck" in err, err[-3000:]
-    assert time.monotonic() - start < 90 + 4 * timeout_s
+    assert elapsed < 90 + 4 * timeout_s
 
 
 def test_cli_reports_the_memory_model():
