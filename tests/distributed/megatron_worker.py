@@ -24,6 +24,8 @@ CASES = [  # (schedule, options, pipeline size, loss form)
     ("breadth-first", {"chunks": 2}, 4, 3), ("chimera", {}, 4, 3), ("zb-h1", {}, 4, 2),
     ("zbv", {}, 4, 3), ("dualpipev", {}, 4, 2),
     ("chimera", {}, 2, 2), ("interleaved", {"chunks": 2}, 2, 3),     # 2 x 2 pipe x data
+    # gradients kept in main_grad by an accumulation hook, as Megatron's DDP does
+    ("zb-h1", {}, 4, 2, "main_grad"), ("chimera", {}, 4, 3, "main_grad"),
 ]
 
 
@@ -78,7 +80,18 @@ def to_full_name(name: str, stage: int, layers_per_stage: int) -> str:
     return name
 
 
-def run_case(schedule, options, pp, loss_form, rank, world):
+def keep_grads_in_main_grad(chunks):
+    """Megatron DDP's gradient path: every accumulation lands in param.main_grad, .grad is cleared."""
+    def accumulate(p):
+        p.main_grad.add_(p.grad)
+        p.grad = None
+    for chunk in chunks:
+        for p in chunk.parameters():
+            p.main_grad = torch.zeros_like(p)
+            p.register_post_accumulate_grad_hook(accumulate)
+
+
+def run_case(schedule, options, pp, loss_form, rank, world, grads="grad"):
     from megatron.core import parallel_state
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp)
@@ -104,6 +117,8 @@ def run_case(schedule, options, pp, loss_form, rank, world):
     chunks = dsm.build_model_chunks(provider, schedule, **options)
     for chunk in chunks:
         chunk.zero_grad(set_to_none=True)
+    if grads == "main_grad":
+        keep_grads_in_main_grad(chunks)
     batches = [micro_batch(dp_rank, mb) for mb in range(N)]
     losses = fb(forward_step_func=forward_step_for(loss_form), data_iterator=iter(batches), model=chunks,
                 num_microbatches=N, seq_length=SEQ, micro_batch_size=MBS)
@@ -141,16 +156,17 @@ def run_case(schedule, options, pp, loss_form, rank, world):
         for name, p in chunk.named_parameters():
             ref = ref_grads[to_full_name(name, stage, per_stage)]
             weight_diff = max(weight_diff, (p.detach() - ref.detach()).abs().max().item())
-            if p.grad is None:
-                raise RuntimeError(f"no grad: stage {stage} {name}")
-            grad_diff = max(grad_diff, (p.grad - ref.grad).abs().max().item())
+            got = p.main_grad if grads == "main_grad" else p.grad
+            if got is None or (grads == "main_grad" and p.grad is not None):
+                raise RuntimeError(f"stage {stage} {name}: gradient not where it belongs ({grads})")
+            grad_diff = max(grad_diff, (got - ref.grad).abs().max().item())
             grad_norm += ref.grad.double().pow(2).sum().item()
     holds_loss = any(c._ds_chimera_stage == total - 1 for c in chunks)
     got = [float(d["lm loss"]) for d in losses]
     got_eval = [float(d["lm loss"]) for d in eval_losses]
     loss_diff = max(abs(a - b) for a, b in zip(got, ref_losses)) if got else None
     eval_diff = max(abs(a - b) for a, b in zip(got_eval, ref_losses)) if got_eval else None
-    return {"schedule": schedule, "pp": pp, "stages": [c._ds_chimera_stage for c in chunks], "grad_diff": grad_diff,
+    return {"schedule": schedule, "pp": pp, "grads": grads, "stages": [c._ds_chimera_stage for c in chunks], "grad_diff": grad_diff,
             "weight_diff": weight_diff, "grad_norm": grad_norm ** 0.5, "holds_loss": holds_loss, "losses": len(got), "eval_losses": len(got_eval),
             "loss_diff": loss_diff, "eval_diff": eval_diff, "finalize_calls": len(calls)}
 
@@ -218,7 +234,7 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     dsm.enable_cpu()
-    results = [run_case(*case, rank, world) for case in CASES]
+    results = [run_case(*case[:4], rank, world, *case[4:]) for case in CASES]
     results.append(run_refusals())
     results.append(run_installed(rank, world))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
