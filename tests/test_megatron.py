@@ -156,12 +156,11 @@ def test_launcher_refuses_a_bad_schedule_before_starting_workers():
     assert out.returncode == 2 and "'spectrain' is asynchronous" in out.stderr
 
 
-def test_example_trains_under_the_launcher_flag():
-    """examples/megatron_gpt.py, unchanged, with ds-chimera launch --pipeline-schedule zbv: the loss falls."""
-    cmd = [sys.executable, "-m", "ds_chimera.cli", "launch", "--torchrun", "--pipeline-schedule", "zbv",
-           "--nproc_per_node", "4", "--master_port", str(free_port()), os.path.join(ROOT, "examples", "megatron_gpt.py"),
-           "--steps", "12"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
+def test_example_launch_script_trains_under_the_launcher_flag():
+    """examples/megatron_launch.sh (ds-chimera launch --pipeline-schedule zbv, megatron_gpt.py unchanged): loss falls."""
+    env = dict(_env(), SCHEDULE="zbv", NPROC="4", PYTHON=sys.executable, MASTER_PORT=str(free_port()))
+    cmd = ["bash", os.path.join(ROOT, "examples", "megatron_launch.sh"), "--steps", "12"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "schedule zbv on 4 pipeline ranks" in proc.stdout
     losses = [float(line.split(" loss ")[1].split()[0]) for line in proc.stdout.splitlines() if " loss " in line]
