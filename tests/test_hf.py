@@ -117,6 +117,26 @@ def test_other_pp_plan_models_convert_after_a_numerical_check():
         assert torch.allclose(run_layers(funcs, ids), model(input_ids=ids).logits, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["mistral", "qwen2-alternating"])
+def test_sliding_window_layers_get_their_mask(kind):
+    """Sliding-window attention (Mistral everywhere, Qwen2 per layer_types) matches the model past the window."""
+    torch.manual_seed(0)
+    common = dict(num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)
+    if kind == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=4, **common))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            use_sliding_window=True, sliding_window=4, max_window_layers=1, **common))
+        assert model.config.layer_types == ["full_attention", "sliding_attention"]
+    model.eval()
+    ids = torch.randint(1, VOCAB, (2, 20), generator=torch.Generator().manual_seed(5))
+    funcs = build_layers(to_pipeline(model))
+    with torch.no_grad():
+        ours, theirs = run_layers(funcs, ids), model(input_ids=ids).logits
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=0)
+
+
 def test_unconvertible_models_are_refused_by_name():
     bert = transformers.BertLMHeadModel(transformers.BertConfig(num_hidden_layers=1, hidden_size=16,
                                                                 num_attention_heads=2, intermediate_size=16,
@@ -214,6 +234,43 @@ def test_resolve_refuses_conflicting_accumulation():
     args.gradient_accumulation_steps = 3
     with pytest.raises(ValueError, match="gradient_accumulation_steps=3 disagrees with the DeepSpeed config's 8"):
         resolve(pipe_config(), args, world_size=4)
+
+
+@pytest.mark.parametrize("attr,value", [("label_smoothing_factor", 0.1), ("gradient_checkpointing", True),
+                                        ("load_best_model_at_end", True), ("average_tokens_across_devices", False)])
+def test_resolve_refuses_arguments_the_pipeline_would_ignore(attr, value):
+    args = Args()
+    setattr(args, attr, value)
+    with pytest.raises(ValueError, match=f"does not support TrainingArguments\\({attr}={value!r}\\)"):
+        resolve(pipe_config(), args, world_size=4)
+
+
+def test_a_random_collator_draws_the_same_numbers_on_every_rank():
+    """Ranks collate the global batch themselves: a random collator must agree whatever each rank's RNG did."""
+    from ds_chimera.hf.data import Batches
+    rows = [{"input_ids": torch.arange(6), "labels": torch.arange(6)}] * 8
+
+    def noisy(items):
+        ids = torch.stack([item["input_ids"] for item in items])
+        return {"input_ids": ids, "labels": torch.where(torch.rand(ids.shape) < 0.5, -100, ids)}
+    draws = []
+    for burn in (0, 7):                  # two "ranks" whose RNGs were used differently before
+        torch.rand(burn)
+        batches = Batches(rows, noisy, micro_batch=2, micro_batches=2, data_parallel=1, seed=3)
+        draws.append([labels for _ in range(2) for _, (labels, _) in batches.step(list(range(4)), 0)[0]])
+    assert all(torch.equal(a, b) for a, b in zip(*draws))
+    assert not torch.equal(draws[0][0], draws[0][2])          # and the draws still change from step to step
+
+
+def test_collator_keys_the_layers_cannot_honour_are_refused():
+    from ds_chimera.hf.data import Batches
+    rows = [{"input_ids": torch.arange(6), "labels": torch.arange(6), "position_ids": torch.arange(6)}] * 4
+
+    def collate(items):
+        return {k: torch.stack([item[k] for item in items]) for k in items[0]}
+    batches = Batches(rows, collate, micro_batch=2, micro_batches=2, data_parallel=1)
+    with pytest.raises(ValueError, match="also returned \\['position_ids'\\]"):
+        batches.step([0, 1, 2, 3], dp_rank=0)
 
 
 def test_describe_maps_layers_to_hf_names():

@@ -57,6 +57,22 @@ def _number(config: dict, key: str):
     return None if value is None or value == AUTO else value
 
 
+# TrainingArguments the pipeline loop would otherwise ignore: (attribute, value it must have, what to do instead)
+IGNORED_ARGUMENTS = [
+    ("label_smoothing_factor", 0.0, "the loss is ds_chimera.hf's causal-LM loss without smoothing"),
+    ("gradient_checkpointing", False, "use PipelineTrainer(..., activation_checkpoint_interval=K)"),
+    ("load_best_model_at_end", False, "pick the checkpoint from state.log_history yourself"),
+    ("average_tokens_across_devices", True, "the loss is always the mean over the global batch's tokens"),
+]
+
+
+def _refuse_ignored_arguments(args) -> None:
+    for attr, allowed, instead in IGNORED_ARGUMENTS:
+        value = getattr(args, attr, allowed)
+        if value != allowed:
+            raise ValueError(f"PipelineTrainer does not support TrainingArguments({attr}={value!r}); {instead}")
+
+
 def resolve(raw, args, world_size: int) -> PipelineSetup:
     """Check ``raw`` (args.deepspeed) against ``args`` and the world size; return what to run."""
     from ..runtime.plan import schedule_options
@@ -67,6 +83,7 @@ def resolve(raw, args, world_size: int) -> PipelineSetup:
         raise ValueError(f"PipelineTrainer needs a \"pipeline\": {{\"schedule\": NAME}} section in the DeepSpeed "
                          f"config; available schedules: {', '.join(sorted(registry.available()))}")
     name, options, _ = schedule_options(section)        # unknown schedule or option: a clear error
+    _refuse_ignored_arguments(args)
     zero = (config.get("zero_optimization") or {}).get("stage", 0)
     if zero >= 2:
         raise ValueError(f"ZeRO stage {zero} does not compose with pipeline schedules; use stage 0 or 1")

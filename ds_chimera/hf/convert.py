@@ -103,7 +103,9 @@ def run_layers(funcs: list, inputs):
 def check_equivalence(model, specs: list, name: str, atol: float = 1e-4) -> None:
     """Raise ValueError if the layers' logits differ from the model's on a short random input."""
     config = model.config
-    length = min(8, getattr(config, "max_position_embeddings", 8) or 8)
+    # longer than a sliding window, so a wrong mask cannot pass unseen
+    window = getattr(config, "sliding_window", None) or 0
+    length = min(max(8, window + 8), getattr(config, "max_position_embeddings", 8) or 8)
     ids = torch.randint(0, config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
     was_training = model.training
     model.eval()

@@ -16,6 +16,8 @@ import torch
 
 from .loss import IGNORE_INDEX, count_targets
 
+USED_KEYS = {"input_ids", "attention_mask", "labels"}
+
 
 def epoch_order(size: int, seed: int, epoch: int, shuffle: bool = True) -> list:
     """Sample order of one epoch: a permutation seeded by ``seed + epoch`` (the same on every rank)."""
@@ -27,10 +29,11 @@ def epoch_order(size: int, seed: int, epoch: int, shuffle: bool = True) -> list:
 class Batches:
     """Global batches of a dataset, collated into per-rank micro-batches for ``train_batch``/``eval_batch``."""
 
-    def __init__(self, dataset, collator, micro_batch: int, micro_batches: int, data_parallel: int):
+    def __init__(self, dataset, collator, micro_batch: int, micro_batches: int, data_parallel: int, seed: int = 0):
         self.dataset, self.collator = dataset, collator
         self.micro, self.n, self.dp = micro_batch, micro_batches, data_parallel
         self.uses_mask = None             # fixed by the first batch: every message must keep one structure
+        self.seed, self.calls = seed, 0
 
     @property
     def size(self) -> int:
@@ -52,6 +55,11 @@ class Batches:
         real = [i for i in indices if i is not None]
         filler = real[0] if real else 0
         batch = self.collator([self.dataset[filler if i is None else i] for i in indices])
+        unknown = sorted(set(batch) - USED_KEYS)
+        if unknown:
+            # e.g. packed sequences' position_ids: dropping them would train something else, silently
+            raise ValueError(f"PipelineTrainer uses only {sorted(USED_KEYS)} from each batch; the collator also "
+                             f"returned {unknown}, which the pipeline layers cannot honour (positions are 0..T-1)")
         if "labels" not in batch:
             raise ValueError("PipelineTrainer needs labels in each batch (e.g. DataCollatorForLanguageModeling("
                              f"tokenizer, mlm=False), or a 'labels' column); the collator returned {sorted(batch)}")
@@ -63,7 +71,12 @@ class Batches:
 
     def step(self, indices: list, dp_rank: int) -> tuple:
         """(this rank's N (inputs, (labels, weight)) pairs, scored tokens, input tokens), both of the global batch."""
-        micro = [self._collate(indices[k * self.micro:(k + 1) * self.micro]) for k in range(self.n * self.dp)]
+        # Every rank collates the global batch itself. A collator that draws random numbers (masking,
+        # noise) must draw the same ones everywhere, whatever else each rank's RNG did meanwhile.
+        self.calls += 1
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed * 1_000_003 + self.calls)
+            micro = [self._collate(indices[k * self.micro:(k + 1) * self.micro]) for k in range(self.n * self.dp)]
         total = sum(count_targets(b["labels"]) for b in micro)
         weight = torch.tensor(self.n * self.dp / total if total else 0.0, dtype=torch.float32)
         seen = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in micro)

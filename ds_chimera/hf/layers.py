@@ -67,6 +67,16 @@ def tied_head(embedding: EmbeddingLayer, x):
     return F.linear(hidden, embedding.tokens.weight)
 
 
+def attention_kind(config, layer_idx) -> str:
+    """HF's per-layer attention type: the config's ``layer_types`` entry (Qwen2, Gemma-style
+    alternation), else sliding everywhere when the config has a ``sliding_window`` (Mistral),
+    else full causal attention."""
+    types = getattr(config, "layer_types", None)
+    if types and layer_idx is not None:
+        return types[layer_idx]
+    return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+
+
 class DecoderBlockLayer(_Loaded):
     """One HF decoder block; it builds its own causal mask and rotary embedding from the positions."""
 
@@ -75,13 +85,15 @@ class DecoderBlockLayer(_Loaded):
         self.config = config
         self.block = build(block)
         self.rotary = build(rotary) if rotary is not None else None   # buffers only, not in state_dict
+        self.sliding = attention_kind(config, block[2].get("layer_idx")) == "sliding_attention"
         self._load(state)
 
     def forward(self, x):
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
         hidden, mask = split(x)
         pos = positions(hidden)
-        causal = create_causal_mask(self.config, hidden, mask, None, position_ids=pos)
+        make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
+        causal = make_mask(self.config, hidden, mask, None, position_ids=pos)
         kwargs = {"attention_mask": causal, "position_ids": pos}
         if self.rotary is not None:
             kwargs["position_embeddings"] = self.rotary(hidden, pos)

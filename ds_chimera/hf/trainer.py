@@ -29,6 +29,8 @@ from .layout import describe, pipeline_hf_names
 from .loss import causal_lm_loss
 
 UNSUPPORTED = {"model_init": "pass a model", "compute_loss_func": "the loss is the causal-LM loss of ds_chimera.hf",
+               "compute_metrics": "evaluate() reports eval_loss only (the logits stay on the last stage)",
+               "preprocess_logits_for_metrics": "evaluate() reports eval_loss only (the logits stay on the last stage)",
                "optimizers": "configure the optimizer in TrainingArguments or the DeepSpeed config",
                "optimizer_cls_and_kwargs": "configure the optimizer in TrainingArguments or the DeepSpeed config"}
 
@@ -149,7 +151,8 @@ class PipelineTrainer(Trainer):
         return make
 
     def _batches(self, dataset, micro: int) -> Batches:
-        return Batches(dataset, self.data_collator, micro, self.setup.micro_batches, self.setup.data_parallel)
+        return Batches(dataset, self.data_collator, micro, self.setup.micro_batches, self.setup.data_parallel,
+                       seed=self.args.seed)
 
     def _dp_rank(self) -> int:
         return self.engine.grid.get_data_parallel_id()

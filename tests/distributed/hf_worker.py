@@ -168,7 +168,7 @@ def train_and_compare(make_model, schedule, stages, world, n, padded=False, save
             "saved_vs_pipeline": max_diff(loaded_sd, ours),
             "saved_vs_reference": max_diff(loaded.state_dict(), ref_model.state_dict()),
             "trainer_model_vs_reference": max_diff(trainer.model.state_dict(), ref_model.state_dict()),
-            "tied_in_saved": loaded.lm_head.weight.data_ptr() == loaded.get_input_embeddings().weight.data_ptr(),
+            "tied_in_saved": saved_head_is_the_embedding(saved, loaded),
         }
         if save_steps:
             ckpt = os.path.join(root, "out", f"checkpoint-{save_steps}")
@@ -181,6 +181,17 @@ def train_and_compare(make_model, schedule, stages, world, n, padded=False, save
     if tdist.get_rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
     return result
+
+
+def saved_head_is_the_embedding(folder: str, loaded) -> bool:
+    """What the file holds (from_pretrained would tie the weights whatever the export wrote).
+
+    True when the head is absent from model.safetensors, or stored equal to the embedding.
+    """
+    from safetensors.torch import load_file
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    embed = next(name for name, p in loaded.named_parameters() if p is loaded.get_input_embeddings().weight)
+    return "lm_head.weight" not in tensors or torch.equal(tensors["lm_head.weight"], tensors[embed])
 
 
 def model_copy_initial(make_model):
