@@ -65,9 +65,9 @@ class PipelineTrainer(Trainer):
             raise ValueError("PipelineTrainer needs TrainingArguments(deepspeed=CONFIG) with a \"pipeline\": "
                              "{\"schedule\": NAME} section (e.g. configs/chimera.json)")
         self.layout = describe(model)                              # unconvertible model: fails here
-        self.layer_specs = to_pipeline(model)                      # (and a numerical check for pp_plan models)
         _, world, _ = _world()
         self.setup = resolve(args.deepspeed, args, world)          # bad batch / ZeRO / schedule: fails here
+        self.layer_specs = to_pipeline(model)                      # (then a numerical check for pp_plan models)
         from ..schedules import registry
         if self.layout.tied and not registry.get(self.setup.schedule).synchronous:
             raise ValueError(f"schedule {self.setup.schedule!r} updates stages on their own clocks and cannot keep "
