@@ -222,6 +222,7 @@ def test_resolve_derives_micro_batches_from_the_pipelines_data_parallel_size():
      "interleaved needs micro_batches to be a multiple of stages (2), got 3"),
     ({"train_batch_size": 8}, 4, "needs a \"pipeline\": {\"schedule\": NAME} section"),
     (pipe_config(fp16={"enabled": True}), 4, "fp16 training (loss scaling) is not supported"),
+    (pipe_config(zero_optimization={"stage": 1}), 4, "ZeRO stage 1 with schedule 'chimera' is not supported"),
 ])
 def test_resolve_refuses_bad_setups_by_value(config, world, message):
     with pytest.raises(ValueError) as info:

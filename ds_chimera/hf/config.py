@@ -75,7 +75,7 @@ def _refuse_ignored_arguments(args) -> None:
 
 def resolve(raw, args, world_size: int) -> PipelineSetup:
     """Check ``raw`` (args.deepspeed) against ``args`` and the world size; return what to run."""
-    from ..runtime.plan import schedule_options
+    from ..runtime.plan import check_precision_and_zero, schedule_options
     from ..schedules import registry
     config = load_config(raw)
     section = config.get("pipeline")
@@ -84,11 +84,9 @@ def resolve(raw, args, world_size: int) -> PipelineSetup:
                          f"config; available schedules: {', '.join(sorted(registry.available()))}")
     name, options, _ = schedule_options(section)        # unknown schedule or option: a clear error
     _refuse_ignored_arguments(args)
-    zero = (config.get("zero_optimization") or {}).get("stage", 0)
-    if zero >= 2:
-        raise ValueError(f"ZeRO stage {zero} does not compose with pipeline schedules; use stage 0 or 1")
-    if getattr(args, "fp16", False) or (config.get("fp16") or {}).get("enabled") is True:
+    if getattr(args, "fp16", False):
         raise ValueError("fp16 training (loss scaling) is not supported by ds_chimera schedules yet; use bf16 or fp32")
+    check_precision_and_zero(config)                     # fp16 / ZeRO in the config, as deepspeed.initialize would
     stages = section.get("stages", AUTO)
     stages = world_size if stages == AUTO else stages
     if not isinstance(stages, int) or stages < 1 or world_size % stages:
@@ -115,7 +113,8 @@ def resolve(raw, args, world_size: int) -> PipelineSetup:
     if args.gradient_accumulation_steps not in (1, n):
         raise ValueError(f"gradient_accumulation_steps={args.gradient_accumulation_steps} disagrees with the DeepSpeed "
                          f"config's {n} micro-batches per step; leave it at 1 or make them equal")
-    registry.get(name)(stages, n, **options)             # the schedule's own limits (e.g. N vs D), now
+    schedule = registry.get(name)(stages, n, **options)  # the schedule's own limits (e.g. N vs D), now
+    check_precision_and_zero(config, schedule)           # and ZeRO-1 with replicated stages (Chimera)
     config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=n,
                   train_batch_size=micro * n * dp)
     clip = config.get("gradient_clipping")

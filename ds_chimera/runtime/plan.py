@@ -77,6 +77,32 @@ def micro_batches_from_config(config: dict, dp: int) -> int:
     return 1
 
 
+def check_precision_and_zero(config: dict, schedule: Schedule | None = None) -> None:
+    """fp16 and ZeRO limits of ds_chimera schedules, refused before any work (DeepSpeed and the HF Trainer).
+
+    With ``schedule``, also ZeRO-1 on a placement whose stages are replicated (Chimera):
+    ZeRO-1's gradient norm would count the replicas twice.
+    """
+    fp16 = config.get("fp16") or {}
+    autocast = config.get("torch_autocast") or {}
+    dtype = str(autocast.get("dtype", ""))
+    fp16_on = fp16.get("enabled") not in (None, False, 0, "auto")     # "auto": the HF Trainer decides (fp32 here)
+    if fp16_on or (autocast.get("enabled") and "16" in dtype and "bfloat" not in dtype):
+        raise ValueError("fp16 training (loss scaling) is not supported by ds_chimera schedules yet; "
+                         "use bf16 (\"bf16\": {\"enabled\": true}) or fp32")
+    zero = (config.get("zero_optimization") or {}).get("stage", 0)
+    if zero >= 2:
+        raise ValueError(f"ZeRO stage {zero} does not compose with pipeline schedules; use stage 0 or 1")
+    if schedule is None or zero != 1:
+        return
+    placement = schedule.placement
+    replicated = [s for s in range(placement.num_stages) if len(placement.stage_group(s)) > 1]
+    if replicated:
+        raise ValueError(f"ZeRO stage 1 with schedule {schedule.name!r} is not supported: its stages are "
+                         f"replicated across pipeline ranks (stages {replicated[:4]}...), and ZeRO-1's gradient "
+                         f"norm would count them twice; use ZeRO stage 0 or a schedule without replicas")
+
+
 def proven_programs(schedule: Schedule) -> tuple:
     """(training program, forward-only program) of a schedule, after the simulator accepts it.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .plan import make_plan
+from .plan import check_precision_and_zero, make_plan
 
 
 def prepare_module(module, config: dict, model_parameters):
@@ -33,21 +33,10 @@ def prepare_module(module, config: dict, model_parameters):
             return list(module.parts)          # the user's own cut, whatever method made it
         return partition(module, num_parts, method or _infer_method(module, num_stages))
 
-    fp16 = config.get("fp16") or {}
-    autocast = config.get("torch_autocast") or {}
-    if fp16.get("enabled") or (autocast.get("enabled") and "16" in str(autocast.get("dtype", "")) and
-                               "bfloat" not in str(autocast.get("dtype", ""))):
-        raise ValueError("fp16 training (loss scaling) is not supported by ds_chimera schedules yet; "
-                         "use bf16 (\"bf16\": {\"enabled\": true}) or fp32")
-    zero = (config.get("zero_optimization") or {}).get("stage", 0)
-    if zero >= 2:
-        raise ValueError(f"ZeRO stage {zero} does not compose with pipeline schedules; use stage 0 or 1")
+    check_precision_and_zero(config)
     plan = make_plan(config, num_stages, dp, len(module._layer_specs), parts_fn)
-    replicated = [s for s in range(plan.placement.num_stages) if len(plan.placement.stage_group(s)) > 1]
-    if zero == 1 and replicated:
-        raise ValueError(f"ZeRO stage 1 with schedule {plan.schedule.name!r} is not supported: its stages are "
-                         f"replicated across pipeline ranks (stages {replicated[:4]}...), and ZeRO-1's gradient "
-                         f"norm would count them twice; use ZeRO stage 0 or a schedule without replicas")
+    check_precision_and_zero(config, plan.schedule)
+    zero = (config.get("zero_optimization") or {}).get("stage", 0)
     if zero == 1:
         _refuse_cross_rank_ties(module, plan)
     if not plan.schedule.synchronous:
