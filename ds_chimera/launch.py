@@ -66,16 +66,10 @@ def _check_megatron_schedule(name: str, options) -> str | None:
 
     from .schedules import registry
     try:
-        cls = registry.get(name)
         parsed = json.loads(options) if options else {}
         if not isinstance(parsed, dict):
             return f"--pipeline-schedule-options must be a JSON object, got {options!r}"
-        unknown = sorted(set(parsed) - set(cls.options))
-        if unknown:
-            return f"schedule {name!r} has no option {unknown[0]!r}; allowed: {', '.join(sorted(cls.options)) or 'none'}"
-        if not cls.synchronous:
-            return (f"schedule {name!r} is asynchronous; Megatron's forward-backward contract needs a synchronous "
-                    f"schedule")
+        registry.check_choice(name, parsed, caller_steps=True)
     except (ValueError, json.JSONDecodeError) as exc:
         return str(exc)
     return None

@@ -27,10 +27,10 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils._pytree import tree_leaves
 
-from ..runtime.executor import StepExecutor
+from ..runtime.executor import StepExecutor, _to_device
+from ..runtime.gradsync import FlatGradAllReduce
 from ..runtime.p2p import P2P, wait_or_fail
 from ..runtime.plan import DEFAULT_TIMEOUT_S, proven_programs
 from ..schedules import registry
@@ -46,17 +46,6 @@ class _DefaultConfig:
     calculate_per_token_loss: bool = False
     enable_autocast: bool = False
     autocast_dtype: object = None
-
-
-def _to_device(value, device):
-    """``value`` (tensors inside dicts, lists, tuples) with its tensors on ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
 
 
 def _unwrap(module):
@@ -219,9 +208,7 @@ class _MegatronStep:
                 raise ValueError("forward_step_func returned no loss_func on a loss stage; training needs one")
             self.reduced[mb] = output
             return output
-        if self.collect_non_loss_data:
-            if self.train:
-                raise ValueError("collect_non_loss_data=True needs forward_only=True")
+        if self.collect_non_loss_data:        # forward-only: __call__ refuses it in training
             self.reduced[mb] = loss_func(output, non_loss_data=True)
             return output
         outputs = loss_func(output)
@@ -257,17 +244,11 @@ class _MegatronStep:
         params = [p for p in chunk.parameters() if p.requires_grad]
         if not params:
             return
-        grads = [self._grad(p) for p in params]
-        flat = _flatten_dense_tensors(grads)
-        work = self.p2p.post(lambda: dist.all_reduce(flat, group=group, async_op=True),
-                             f"the replica all-reduce of stage {stage}")
-        self.pending.append((work, flat, grads, stage))
+        self.pending.append(FlatGradAllReduce([self._grad(p) for p in params], group, f"stage {stage}'s replicas"))
 
     def finish_grad_syncs(self) -> None:
-        for work, flat, grads, stage in self.pending:
-            wait_or_fail(work, self.timeout_s, f"the replica gradient all-reduce of stage {stage}")
-            for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                grad.copy_(synced)
+        for sync in self.pending:
+            sync.finish(self.timeout_s)
         self.pending = []
 
 
@@ -341,15 +322,10 @@ def _settle_blocks(chunk, capture: list, nodes: list, output) -> None:
     for i, grad_fns in enumerate(nodes):
         starts = [next_node for node in grad_fns if node is not None for next_node, _ in node.next_functions]
         walk(starts, i)
-    now = []
     for i, block in enumerate(capture):
-        if block[0] is None:
-            continue
-        moved = [p for p in block[1] if id(p) in used_elsewhere]
-        if moved:
-            now += moved
+        if block[0] is not None and any(id(p) in used_elsewhere for p in block[1]):
             capture[i] = (block[0], [p for p in block[1] if id(p) not in used_elsewhere]) + tuple(block[2:])
-    owned_ids = {id(p) for block in capture for p in block[1]}
+    owned_ids = {id(p) for block in capture for p in block[1]}     # what moved out joins the unowned rest
     rest = [p for p in chunk.parameters() if p.requires_grad and id(p) not in owned_ids]
     if rest:
         capture.append((None, rest))
@@ -419,6 +395,8 @@ class ScheduleRunner:
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
             raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+        if collect_non_loss_data and not forward_only:
+            raise ValueError("collect_non_loss_data=True needs forward_only=True (Megatron collects it in evaluation)")
         group = pg_collection.pp if pg_collection is not None and getattr(pg_collection, "pp", None) is not None \
             else pipeline_group()
         size, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -441,8 +419,6 @@ class ScheduleRunner:
         train = not forward_only
         step = _MegatronStep(self, schedule, chunks, feeds, config, forward_step_func, num_microbatches,
                              collect_non_loss_data, train)
-        if collect_non_loss_data and train:
-            raise ValueError("collect_non_loss_data=True needs forward_only=True (Megatron collects it in evaluation)")
         if train:
             _check_split_backward(schedule, config, self.rank)
         shapes = (seq_length, micro_batch_size, decoder_seq_length)
@@ -530,13 +506,7 @@ def get_forward_backward_func(schedule: str = "1f1b", *, timeout: float = DEFAUL
     ``pipelines`` for chimera...). ``timeout`` (seconds) bounds every wait on a peer: a dead
     rank becomes a clear error. Bad names and options fail here, before any step.
     """
-    cls = registry.get(schedule)
-    unknown = sorted(set(options) - set(cls.options))
-    if unknown:
-        raise ValueError(f"schedule {schedule!r} has no option {unknown[0]!r}; allowed: "
-                         f"{', '.join(sorted(cls.options)) or 'none'}")
-    if not cls.synchronous:
-        make_schedule(schedule, 2, 2, {})          # raises the explanation
+    registry.check_choice(schedule, options, caller_steps=True)
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
         raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
     runner = ScheduleRunner(schedule, options, float(timeout))

@@ -48,12 +48,7 @@ def pipeline_group():
 
 def make_schedule(name: str, stages: int, micro_batches: int, options: dict):
     """The named schedule, refusing asynchronous ones: Megatron's contract steps outside the function."""
-    schedule = registry.build(name, stages, micro_batches, **options)
-    if not schedule.synchronous:
-        raise ValueError(f"schedule {name!r} is asynchronous (it steps each stage inside the pipeline); "
-                         f"Megatron's forward-backward contract leaves the optimizer step to the caller, so use "
-                         f"a synchronous schedule: {', '.join(sorted(n for n, c in registry.available().items() if c.synchronous))}")
-    return schedule
+    return registry.check_choice(name, options, caller_steps=True)(stages, micro_batches, **options)
 
 
 def virtual_stages(schedule: str, pipeline_size: int, **options):

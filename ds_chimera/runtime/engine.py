@@ -16,12 +16,12 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import TiedLayerSpec
 
 from .executor import StepExecutor, _to_device
+from .gradsync import FlatGradAllReduce
 from .p2p import P2P
 
 log = logging.getLogger("ds_chimera")
@@ -232,9 +232,11 @@ class ScheduledPipelineEngine(PipelineEngine):
         params = [p for p in module.parameters() if p.requires_grad]
         if group is None or not params:
             return
-        flat = _flatten_dense_tensors(self._grads(params))
-        work = self.p2p.post(lambda: dist.all_reduce(flat, group=group, async_op=True), f"the all-reduce of {what}")
-        self.pending_syncs.append((work, flat, params, what))
+        if not self._hp_grads:
+            for p in params:          # the sum is written back in place: a missing gradient is a zero one
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        self.pending_syncs.append(FlatGradAllReduce(self._grads(params), group, what))
 
     def _grads(self, params) -> list:
         """The gradient each parameter's optimizer reads: fp32 master grads under bf16."""
@@ -245,17 +247,9 @@ class ScheduledPipelineEngine(PipelineEngine):
     def _finish_grad_syncs(self) -> None:
         for key in sorted(self.tied_groups):
             self._post_allreduce(self.tied_modules[key], self.tied_groups[key], f"tied weights {key!r}")
-        for work, flat, params, what in self.pending_syncs:
-            self.p2p._wait(work, f"the gradient all-reduce of {what}")
-            if self.dp_size > 1 and not self.zero1:
-                flat.div_(self.dp_size)
-            for p, synced in zip(params, _unflatten_dense_tensors(flat, self._grads(params))):
-                if self._hp_grads:
-                    self._hp_grads[id(p)].copy_(synced)
-                elif p.grad is None:
-                    p.grad = synced.clone()
-                else:
-                    p.grad.copy_(synced)
+        divide_by = self.dp_size if not self.zero1 else 1     # ZeRO-1 averages over data parallel itself
+        for sync in self.pending_syncs:
+            sync.finish(self.plan.timeout_s, divide_by)
         self.pending_syncs = []
 
     def _owned_params(self) -> list:

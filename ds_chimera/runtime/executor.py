@@ -23,10 +23,13 @@ def _pack(tensors):
 
 
 def _to_device(x, device):
+    """``x`` with its tensors (inside tuples, lists and dicts too) on ``device``."""
     if isinstance(x, torch.Tensor):
         return x.to(device)
     if isinstance(x, (tuple, list)):
         return type(x)(_to_device(t, device) for t in x)
+    if isinstance(x, dict):
+        return {k: _to_device(v, device) for k, v in x.items()}
     return x
 
 

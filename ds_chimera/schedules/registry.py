@@ -63,6 +63,25 @@ def get(name: str) -> type:
     return schedules[name]
 
 
+def check_choice(name: str, options: dict, caller_steps: bool = False) -> type:
+    """The class of schedule ``name`` once ``options`` are known to be its own; before any work.
+
+    ``caller_steps``: the caller runs the optimizer step after the schedule (Megatron's
+    forward-backward contract), so an asynchronous schedule, which steps inside, is refused.
+    """
+    cls = get(name)
+    unknown = sorted(set(options) - set(cls.options))
+    if unknown:
+        raise ValueError(f"schedule {name!r} has no option {unknown[0]!r}; allowed: "
+                         f"{', '.join(sorted(cls.options)) or 'none'}")
+    if caller_steps and not cls.synchronous:
+        synchronous = ", ".join(sorted(n for n, c in available().items() if c.synchronous))
+        raise ValueError(f"schedule {name!r} is asynchronous (it steps each stage inside the pipeline); "
+                         f"Megatron's forward-backward contract leaves the optimizer step to the caller, so use "
+                         f"a synchronous schedule: {synchronous}")
+    return cls
+
+
 def build(name: str, stages: int, micro_batches: int, **options) -> Schedule:
     """Construct the named schedule; bad names and options raise ValueError before any work."""
     return get(name)(stages, micro_batches, **options)
