@@ -12,7 +12,6 @@ import os
 import shutil
 import sys
 import tempfile
-import traceback
 
 import torch
 import torch.distributed as tdist
@@ -241,22 +240,11 @@ for _kind in ("zero2", "batch", "micro", "model"):
 
 
 def main():
-    out_path, names = sys.argv[1], sys.argv[2].split(",")
     import deepspeed
+    from scenarios import run_scenarios
     deepspeed.init_distributed(dist_backend="gloo")
-    results = {}
-    for name in names:
-        try:
-            results[name] = SCENARIOS[name]()
-        except Exception:
-            results[name] = {"exception": traceback.format_exc()}
-            print(results[name]["exception"], file=sys.stderr, flush=True)
-            raise
-    if tdist.get_rank() == 0:
-        with open(out_path + ".tmp", "w") as fh:
-            json.dump(results, fh, indent=1)
-        os.replace(out_path + ".tmp", out_path)
-    tdist.barrier()
+    run_scenarios(SCENARIOS, sys.argv[1], sys.argv[2].split(","))
+    tdist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import os
 import shutil
 import sys
 import tempfile
-import traceback
 
 import torch
 import torch.distributed as tdist
@@ -20,6 +19,7 @@ import ds_chimera  # noqa: F401  (installs the "pipeline": {"schedule": ...} swi
 from deepspeed.pipe import PipelineModule
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from scenarios import run_scenarios  # noqa: E402
 from models import BASE_SEED, CountingTanh, build_reference, make_global_batches, mlp_specs, run_reference  # noqa: E402
 
 LR, MICRO = 0.05, 2
@@ -458,20 +458,8 @@ for kind in ("unknown", "pipelines", "interleaved-n", "option", "zero1-chimera",
 
 
 def main():
-    out_path, names = sys.argv[1], sys.argv[2].split(",")
     deepspeed.init_distributed(dist_backend=os.environ.get("DS_CHIMERA_TEST_BACKEND", "gloo"))
-    results = {}
-    for name in names:
-        try:
-            results[name] = SCENARIOS[name]()
-        except Exception:
-            results[name] = {"exception": traceback.format_exc()}
-            raise
-    if tdist.get_rank() == 0:
-        with open(out_path + ".tmp", "w") as fh:
-            json.dump(results, fh, indent=1)
-        os.replace(out_path + ".tmp", out_path)
-    tdist.barrier()
+    run_scenarios(SCENARIOS, sys.argv[1], sys.argv[2].split(","))
     tdist.destroy_process_group()
 
 
