@@ -56,13 +56,8 @@ def read_layer_files(path: str) -> dict:
 
 def engine_layer_states(engine) -> dict:
     """This rank's share of the layer states: the layers whose stage it is the first holder of (data-parallel 0)."""
-    if engine.grid.get_data_parallel_id() != 0:
-        return {}
-    states = {}
-    for idx, (stage, obj) in sorted(engine._layer_objects().items()):
-        if min(engine.placement.stage_group(stage)) == engine.pipe_rank and hasattr(obj, "state_dict"):
-            states[idx] = {k: v.detach().to("cpu", copy=True) for k, v in obj.state_dict().items()}
-    return states
+    return {idx: {k: v.detach().to("cpu", copy=True) for k, v in obj.state_dict().items()}
+            for idx, obj in engine.owned_layers().items()}
 
 
 def gather_layer_states(engine, dst: int | None = 0) -> dict | None:

@@ -106,15 +106,14 @@ def install(schedule: str | None = None, argv: list | None = None, **options):
         return cache[key]
 
     ds_chimera_get_forward_backward_func.ds_chimera_schedule = schedule
+    replaced = [f for f in (original, _STATE.get("installed")) if f is not None]   # Megatron's, or our last one
     _STATE["original"] = original
     _STATE["installed"] = ds_chimera_get_forward_backward_func
-    replaced = [f for f in (original, _STATE.get("previous")) if f is not None]
     for module in list(sys.modules.values()):        # e.g. megatron.training.training imported it by name
         if any(_bound(module) is f for f in replaced):
             setattr(module, "get_forward_backward_func", ds_chimera_get_forward_backward_func)
     pipeline_parallel.get_forward_backward_func = ds_chimera_get_forward_backward_func
     schedules.get_forward_backward_func = ds_chimera_get_forward_backward_func
-    _STATE["previous"] = ds_chimera_get_forward_backward_func
     return schedule
 
 
@@ -126,7 +125,6 @@ def uninstall() -> None:
         if _STATE.get("installed") is not None and _bound(module) is _STATE["installed"]:
             setattr(module, "get_forward_backward_func", _STATE["original"])
     _STATE.pop("installed", None)
-    _STATE.pop("previous", None)
 
 
 def install_when_imported() -> None:

@@ -390,15 +390,23 @@ class ScheduledPipelineEngine(PipelineEngine):
         repr_ = self.grid._topo.get_rank_repr(rank=self.global_rank)
         return os.path.join(path, f"layer_{idx:02d}{'-' + repr_ if repr_ else ''}-model_states.pt")
 
+    def owned_layers(self) -> dict:
+        """Global layer index -> layer, for the layers this rank writes out (checkpoints, HF export).
+
+        Each stage once even where it is replicated (by its lowest rank), on data-parallel rank 0.
+        """
+        if self.grid.get_data_parallel_id() != 0:
+            return {}
+        return {idx: obj for idx, (stage, obj) in sorted(self._layer_objects().items())
+                if min(self.placement.stage_group(stage)) == self.pipe_rank and hasattr(obj, "state_dict")}
+
     def module_state_dict(self, exclude_frozen_parameters=False):
         """Write one file per global layer index, once per stage even where it is replicated."""
         path = self._curr_ckpt_path
         if self.grid.get_data_parallel_id() != 0:
             return None
         os.makedirs(path, exist_ok=True)
-        for idx, (stage, obj) in sorted(self._layer_objects().items()):
-            if min(self.placement.stage_group(stage)) != self.pipe_rank or not hasattr(obj, "state_dict"):
-                continue
+        for idx, obj in self.owned_layers().items():
             state = {k: v.detach().clone() for k, v in obj.state_dict().items()}
             if exclude_frozen_parameters:
                 frozen = {n for n, p in obj.named_parameters() if not p.requires_grad}
