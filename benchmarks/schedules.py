@@ -35,6 +35,11 @@ PEERS = [("deepspeed", "TrainSchedule (1F1B)"), ("deepspeed", "DualPipeV"),
          ("torch", "ZBVZeroBubble"), ("torch", "DualPipeV")]
 
 
+def wanted(args, text: str) -> bool:
+    """Whether ``--only`` (if given) selects the row labelled ``text``."""
+    return not args.only or any(text.startswith(prefix) for prefix in args.only)
+
+
 def label(name, options):
     return name + ("" if not options else " " + ",".join(f"{k}={v}" for k, v in options.items()))
 
@@ -59,9 +64,12 @@ def worker(args):
     specs = [LayerSpec(TimedLayer, layer_s, layer_s, layer_s) for _ in range(LAYERS)]
     rows = []
     latency = p2p_latency(dist, torch, rank)
+    send_s, recv_s = p2p_host_costs(dist, torch, rank)
     calibrated = calibrate(torch, TimedLayer, layer_s, LAYERS // world, WIDTH)
     if rank == 0:
         print(f"  measured one-way p2p latency (gloo, loopback, 2 cores): {latency * 1e3:.2f} ms", flush=True)
+        print(f"  measured per-message host time of the runtime's P2P: send {send_s * 1e3:.3f} ms, "
+              f"receive (posted early, taken after arrival) {recv_s * 1e3:.3f} ms", flush=True)
         print(f"  measured timed-layer costs per rank share: F {calibrated[0] * 1e3:.2f} ms, I {calibrated[1] * 1e3:.2f} "
               f"ms, W {calibrated[2] * 1e3:.2f} ms (nominal {COST_S * 1e3:.0f} each)", flush=True)
 
@@ -77,6 +85,8 @@ def worker(args):
     for n in args.micro_batches:
         ideal = n * 3 * COST_S
         for name, options in OURS:
+            if not wanted(args, label(name, options)):
+                continue
             if name == "dualpipev" and n < 2 * world:
                 continue
             if name == "interleaved" and n % world:
@@ -88,27 +98,39 @@ def worker(args):
             sim0 = simulate(engine.plan.program, Costs(fwd=COST_S, bwd=2 * COST_S, wgrad=COST_S)).makespan
             f_s, i_s, w_s = calibrated
             sim = simulate(engine.plan.program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=latency)).makespan
+            sim_host = simulate(engine.plan.program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=latency,
+                                                           send=send_s, recv=recv_s)).makespan
             rows.append({"runtime": "ds_chimera", "schedule": label(name, options), "N": n, "step_s": median,
                          "vs_ideal": median / ideal, "sim_vs_ideal": sim / ideal, "sim_nocomm_vs_ideal": sim0 / ideal,
-                         "measured_vs_sim": median / sim, "latency_s": latency})
+                         "measured_vs_sim": median / sim, "sim_host_vs_ideal": sim_host / ideal,
+                         "measured_vs_sim_host": median / sim_host, "latency_s": latency,
+                         "send_s": send_s, "recv_s": recv_s})
             if rank == 0:
                 print(f"  ds_chimera {label(name, options):<28} N={n:<3} {median / ideal:6.3f} x ideal"
-                      f"  (simulated: nominal {sim0 / ideal:5.3f}, calibrated {sim / ideal:5.3f}; "
-                      f"measured/calibrated {median / sim:5.3f})", flush=True)
+                      f"  (simulated: nominal {sim0 / ideal:5.3f}, calibrated {sim / ideal:5.3f}, + host "
+                      f"{sim_host / ideal:5.3f}; measured/calibrated {median / sim:5.3f}, "
+                      f"/ + host {median / sim_host:5.3f})", flush=True)
         for name, options in MEGATRON:
+            if not wanted(args, label(name, options)) or (args.only and "megatron" not in args.only):
+                continue
             if name == "interleaved" and n % world:
                 continue
             step, program = megatron_contract_step(name, options, n, specs, world, rank, data)
             median = timed(step, args.repeats)
             f_s, i_s, w_s = calibrated
             sim = simulate(program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=latency)).makespan
+            sim_host = simulate(program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=latency,
+                                               send=send_s, recv=recv_s)).makespan
             rows.append({"runtime": "ds_chimera.megatron", "schedule": label(name, options), "N": n, "step_s": median,
-                         "vs_ideal": median / ideal, "sim_vs_ideal": sim / ideal, "measured_vs_sim": median / sim})
+                         "vs_ideal": median / ideal, "sim_vs_ideal": sim / ideal, "measured_vs_sim": median / sim,
+                         "sim_host_vs_ideal": sim_host / ideal, "measured_vs_sim_host": median / sim_host})
             if rank == 0:
                 print(f"  megatron   {label(name, options):<28} N={n:<3} {median / ideal:6.3f} x ideal"
-                      f"  (simulated: calibrated {sim / ideal:5.3f}; measured/calibrated {median / sim:5.3f})",
-                      flush=True)
+                      f"  (simulated: calibrated {sim / ideal:5.3f}, + host {sim_host / ideal:5.3f}; "
+                      f"measured/calibrated {median / sim:5.3f}, / + host {median / sim_host:5.3f})", flush=True)
         for runtime, name in PEERS:
+            if not wanted(args, name):
+                continue
             if "DualPipeV" in name and n < 2 * world:
                 continue
             if name == "Interleaved1F1B" and n % world:
@@ -210,6 +232,59 @@ def p2p_latency(dist, torch, rank, rounds=200):
     return float(value)
 
 
+def p2p_host_costs(dist, torch, rank, rounds=100):
+    """Median host time of the runtime's own P2P per message, ranks 0 -> 1, used as it is in a
+    step: receives posted ahead of need, then taken once their data has arrived.
+
+    Returns (send, receive): posting one send; posting one receive early plus taking it.
+    Measured apart from any step, so the simulator that uses them is not fitted to the steps.
+    """
+    from ds_chimera.runtime.p2p import P2P
+    from ds_chimera.schedules.actions import Message
+
+    p2p = P2P(lambda p: p, torch.device("cpu"), 2, 60.0)
+    p2p.max_pending = 4 * rounds        # the second half's sends wait for receives taken after a barrier
+    payload = torch.randn(MICRO, 16)
+    sends, preposts, takes = [], [], []
+    messages = [Message("act", 0, 1, i) for i in range(2 * rounds + 1)]
+    if rank == 0:
+        p2p.send(messages[0], 1, payload)          # the edge's one header goes first
+    elif rank == 1:
+        p2p.recv(messages[0], 0, "warm-up")
+    halves = (range(1, rounds + 1), range(rounds + 1, 2 * rounds + 1))
+    for half, ids in enumerate(halves):
+        if rank == 1:
+            for i in ids:
+                start = time.perf_counter()
+                p2p.prepost(messages[i], 0, "timing")
+                preposts.append(time.perf_counter() - start)
+        dist.barrier()
+        if rank == 0:
+            for i in ids:
+                if half == 0:                          # spaced out: each send is timed alone
+                    time.sleep(0.002)
+                start = time.perf_counter()
+                p2p.send(messages[i], 1, payload)
+                sends.append(time.perf_counter() - start)
+        elif rank == 1 and half == 0:
+            for i in ids:
+                p2p.recv(messages[i], 0, "timing")
+        dist.barrier()
+        if rank == 1 and half == 1:                # every message has arrived
+            for i in ids:
+                time.sleep(0.001)
+                start = time.perf_counter()
+                p2p.recv(messages[i], 0, "timing")
+                takes.append(time.perf_counter() - start)
+    p2p.flush()
+    median = statistics.median
+    values = torch.tensor([median(sends[:rounds]) if sends else 0.0,
+                           median(preposts) + median(takes) if takes else 0.0], dtype=torch.float64)
+    dist.all_reduce(values)                        # rank 0 holds the first, rank 1 the second
+    dist.barrier()
+    return float(values[0]), float(values[1])
+
+
 def megatron_contract_step(name, options, n, specs, world, rank, data):
     """One step through ds_chimera.megatron's forward-backward function on the same timed layers.
 
@@ -309,6 +384,8 @@ def main():
     parser.add_argument("--micro-batches", type=int, nargs="+")
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--out", default="benchmarks/schedules_results.json")
+    parser.add_argument("--only", nargs="+", metavar="NAME",
+                        help="run only the rows whose schedule label starts with one of these (e.g. zbv 1f1b TrainSchedule)")
     args = parser.parse_args()
     args.micro_batches = args.micro_batches or ([8] if args.quick else [4, 8, 16])
     args.repeats = args.repeats or (3 if args.quick else 5)
@@ -317,6 +394,8 @@ def main():
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", __file__, "--worker",
            "--out", args.out, "--repeats", str(args.repeats), "--micro-batches", *map(str, args.micro_batches)]
+    if args.only:
+        cmd += ["--only", *args.only]
     print(f"4 ranks, F = I = W = {COST_S * 1e3:.0f} ms per rank and micro-batch; ratios are median step / ideal",
           flush=True)
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -335,9 +414,10 @@ def main():
 def summarise(rows):
     ok = [r for r in rows if "vs_ideal" in r]
     for n in sorted({r["N"] for r in ok}):
-        best = min((r for r in ok if r["N"] == n and r["runtime"] == "ds_chimera"), key=lambda r: r["vs_ideal"])
+        best = min((r for r in ok if r["N"] == n and r["runtime"] == "ds_chimera"), key=lambda r: r["vs_ideal"],
+                   default=None)
         stock = [r for r in ok if r["N"] == n and r["schedule"].startswith("TrainSchedule")]
-        line = f"N={n}: best ds_chimera {best['schedule']} {best['vs_ideal']:.3f} x ideal"
+        line = f"N={n}: " + (f"best ds_chimera {best['schedule']} {best['vs_ideal']:.3f} x ideal" if best else "")
         if stock:
             line += f"; DeepSpeed stock 1F1B {stock[0]['vs_ideal']:.3f} x ideal"
             chim = [r for r in ok if r["N"] == n and r["schedule"].startswith("chimera")]
@@ -346,7 +426,9 @@ def summarise(rows):
                 line += f"; {fastest['schedule']} throughput / stock 1F1B = {stock[0]['step_s'] / fastest['step_s']:.2f}"
         print(line)
     worst = max((r["measured_vs_sim"] for r in ok if "measured_vs_sim" in r), default=float("nan"))
-    print(f"worst measured/simulated over ds_chimera rows: {worst:.3f}")
+    worst_host = max((r["measured_vs_sim_host"] for r in ok if "measured_vs_sim_host" in r), default=float("nan"))
+    print(f"worst measured/simulated over ds_chimera rows: {worst:.3f} (calibrated compute and latency), "
+          f"{worst_host:.3f} (also the measured per-message host time)")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost-wgrad", type=float, default=1.0, help="weight-grad share of the backward")
     p.add_argument("--cost-comm", type=float, default=0.0, help="latency of one p2p message")
     p.add_argument("--cost-allreduce", type=float, default=0.0, help="time of one stage's grad all-reduce")
+    p.add_argument("--cost-send", type=float, default=0.0, help="sender's own time to post one p2p message")
+    p.add_argument("--cost-recv", type=float, default=0.0, help="receiver's own time to take one arrived message")
     p.add_argument("--max-activations", type=float, help="with --schedule auto: peak activation limit")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
@@ -84,7 +86,8 @@ def cmd_kernels(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    costs = Costs(args.cost_fwd, args.cost_bwd, args.cost_wgrad, args.cost_comm, args.cost_allreduce)
+    costs = Costs(args.cost_fwd, args.cost_bwd, args.cost_wgrad, args.cost_comm, args.cost_allreduce,
+                  args.cost_send, args.cost_recv)
     if args.schedule == "auto":
         return _rank_all(args, costs)
     schedule, result = _simulate_one(args.schedule, args, costs)

@@ -163,6 +163,22 @@ def test_comm_cost_adds_latency_on_the_critical_path():
     assert simulate(build("1f1b", 4, 8).lower(), Costs(1, 2, 1, comm=0.5)).makespan > base + 3
 
 
+def test_host_send_and_receive_costs_occupy_the_ranks():
+    # D=2, N=1: F, send, (latency), receive, F, B, send, (latency), receive, B
+    program = build("gpipe", 2, 1).lower()
+    plain = simulate(program, Costs(1, 2, 1, comm=0.5))
+    host = simulate(program, Costs(1, 2, 1, comm=0.5, send=0.1, recv=0.2))
+    assert plain.makespan == pytest.approx(7.0)
+    assert host.makespan == pytest.approx(7.0 + 2 * (0.1 + 0.2))
+    assert host.busy == plain.busy          # host time is not compute
+    # the critical path of GPipe on 4 ranks crosses 2 (D - 1) messages
+    program = build("gpipe", 4, 8).lower()
+    base = simulate(program, Costs(1, 2, 1, comm=0.5)).makespan
+    assert simulate(program, Costs(1, 2, 1, comm=0.5, send=0.1, recv=0.2)).makespan >= base + 2 * 3 * 0.3 - 1e-9
+    with pytest.raises(ValueError, match="send"):
+        Costs(send=-1.0)
+
+
 @pytest.mark.parametrize("d,n", [(2, 4), (3, 5), (4, 8), (8, 32)])
 def test_list_scheduler_makespan_is_the_simulators(d, n):
     from ds_chimera.schedules.base import vshape_placement

@@ -46,6 +46,7 @@ def _as_leaf(tensors, train: bool):
 
 current_action = None   # the action being executed on this process, for instrumentation and debugging
 MB_TAG_SPACE = 1 << 16  # messages carry global micro-batch ids modulo this (tags stay small)
+RECV_LOOKAHEAD = 2      # comm batches ahead whose receives are posted early (gloo: see p2p.P2P.prepost)
 
 
 def new_carry() -> dict:
@@ -96,6 +97,15 @@ class StepExecutor:
         forward_chunk = getattr(ctx, "forward_chunk", None)
         t0 = time.perf_counter()
         self.records = []
+        recv_batches = [op for op in ops if type(op) is CommBatch and op.recvs]
+        next_recv_batch = 0       # index into recv_batches of the next batch this loop reaches
+
+        def post_ahead(upto: int) -> None:
+            for batch in recv_batches[next_recv_batch:upto]:
+                for msg in batch.recvs:
+                    ctx.p2p.prepost(_global(msg, mb_base), placement.rank_of(msg.src), self._what(msg, mb_base))
+
+        post_ahead(RECV_LOOKAHEAD)
         for op in ops:
             if type(op) is Action:
                 current_action = op
@@ -176,11 +186,14 @@ class StepExecutor:
                     else:
                         payload = input_grads.pop((msg.src, msg.mb))
                     ctx.p2p.send(_global(msg, mb_base), placement.rank_of(msg.dst), payload)
+                if op.recvs:
+                    # the next batches' receives go out before this one's wait, so their data
+                    # can arrive while this rank computes
+                    post_ahead(next_recv_batch + 1 + RECV_LOOKAHEAD)
+                    next_recv_batch += 1
                 for msg in op.recvs:
-                    what = (f"{'activation' if msg.kind == 'act' else 'gradient'} of micro-batch {msg.mb + mb_base} "
-                            f"from rank {placement.rank_of(msg.src)} (chunk {msg.src} -> {msg.dst})")
                     received[(msg.kind, msg.src, msg.dst, msg.mb)] = ctx.p2p.recv(
-                        _global(msg, mb_base), placement.rank_of(msg.src), what)
+                        _global(msg, mb_base), placement.rank_of(msg.src), self._what(msg, mb_base))
             elif type(op) is GradSync:
                 if train:
                     ctx.start_grad_sync(op.stage)
@@ -195,6 +208,11 @@ class StepExecutor:
         if flush:
             ctx.p2p.flush()
         return loss_sum, loss_count
+
+    def _what(self, msg, mb_base: int) -> str:
+        """A message's description for timeout errors."""
+        return (f"{'activation' if msg.kind == 'act' else 'gradient'} of micro-batch {msg.mb + mb_base} "
+                f"from rank {self.placement.rank_of(msg.src)} (chunk {msg.src} -> {msg.dst})")
 
     @staticmethod
     def _input_grad(tensors, grads, leaves, blocks):

@@ -3,7 +3,10 @@
 Each transfer is a fixed-size int64 header (count, dtypes, shapes) followed by the
 tensors, so shapes may change from micro-batch to micro-batch. Sends are posted without
 blocking; receives wait with a deadline, so a dead or stuck peer becomes a clear error
-instead of a hang. With gloo, messages are told apart by tag. NCCL ignores tags and
+instead of a hang. With gloo, messages are told apart by tag, and receives are posted ahead
+of need (:meth:`P2P.prepost`): gloo's sender holds the data until the receiver has posted
+its receive, so a receive posted only when needed costs a round trip and several thread
+wake-ups. Posted early, the data lands while the rank computes. NCCL ignores tags and
 matches in issue order, so there every (edge, kind) gets its own two-rank group; the
 simulator checks that each edge's sends and receives run in the same micro-batch order.
 """
@@ -104,6 +107,10 @@ class P2P:
         self.shape_hint = "build the PipelineModule with dynamic_shape=True"     # how a user allows changes
         self.sent_meta: dict = {}
         self.recv_meta: dict = {}
+        self.preposted: dict = {}     # message key -> (buffers, works): receives posted ahead of need
+        # NCCL receives are already stream-ordered and asynchronous; gloo's need the early post
+        self.can_prepost = not self.header_on_device
+        self.early_receives = 0       # receives that were posted ahead of need (a count, for tests and tuning)
 
     def _tag(self, msg, part: int) -> int:
         kind_bit = 0 if msg.kind == "act" else 1
@@ -158,7 +165,37 @@ class P2P:
     def _wait(self, work, what: str) -> None:
         wait_or_fail(work, self.timeout_s, what)
 
+    @staticmethod
+    def _key(msg):
+        return (msg.kind, msg.src, msg.dst, msg.mb)
+
+    def prepost(self, msg, src_rank: int, what: str) -> None:
+        """Post the receive of ``msg`` now, before it is needed, where its shapes are known.
+
+        Only static-shape edges whose header has arrived qualify; anything else is received
+        the ordinary way by :meth:`recv`.
+        """
+        if not self.can_prepost or self.dynamic_shapes or self._key(msg) in self.preposted:
+            return
+        meta = self.recv_meta.get(self._edge(msg))
+        if meta is not None:
+            self.preposted[self._key(msg)] = self._post_payload(msg, src_rank, meta, what)
+
+    def _post_payload(self, msg, src_rank: int, meta, what: str):
+        peer, group = self.to_global(src_rank), self._group(msg)
+        out = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in meta]
+        works = [self.post(lambda buf=buf, i=i: dist.irecv(buf, peer, group=group, tag=self._tag(msg, i + 1)), what)
+                 for i, buf in enumerate(out)]
+        return out, works
+
     def recv(self, msg, src_rank: int, what: str):
+        early = self.preposted.pop(self._key(msg), None)
+        if early is not None:
+            self.early_receives += 1
+            out, works = early
+            for work in works:
+                self._wait(work, what)
+            return out
         peer, group = self.to_global(src_rank), self._group(msg)
         meta = None if self.dynamic_shapes else self.recv_meta.get(self._edge(msg))
         if meta is None:
@@ -166,15 +203,15 @@ class P2P:
             self._wait(lambda: dist.irecv(header, peer, group=group, tag=self._tag(msg, 0)), what)
             meta = decode_header(header.cpu())
             self.recv_meta[self._edge(msg)] = meta
-        out = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in meta]
-        works = [self.post(lambda buf=buf, i=i: dist.irecv(buf, peer, group=group, tag=self._tag(msg, i + 1)), what)
-                 for i, buf in enumerate(out)]
+        out, works = self._post_payload(msg, src_rank, meta, what)
         for work in works:
             self._wait(work, what)
         return out
 
     def flush(self) -> None:
         """Wait for every posted send (end of step): their buffers may then be freed."""
+        if self.preposted:
+            raise RuntimeError(f"internal error: receives posted but never taken: {sorted(self.preposted)[:5]}")
         for works, _, _ in self.pending_sends:
             for work in works:
                 self._wait(work, "a send")

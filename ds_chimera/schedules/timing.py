@@ -30,8 +30,10 @@ def compute_timing(placement: Placement, orders: list, costs, want_starts: bool 
 
     Used where many candidate orders are compared (Chimera's ``auto``, the pieces of ``merged``):
     it skips lowering and validation, so it is several times faster. It models per-message
-    latency (``costs.comm``) but not gradient all-reduce time; tests hold it equal to the
-    simulator's makespan. Raises RuntimeError if the orders cannot complete.
+    latency (``costs.comm``) but not gradient all-reduce time nor the hosts' per-message
+    ``send``/``recv`` time (those depend on how lowering batches messages); with those at
+    zero, tests hold it equal to the simulator's makespan. Raises RuntimeError if the orders
+    cannot complete.
     """
     size = placement.size
     nch = len(placement.chunks)

@@ -27,7 +27,9 @@ class Costs:
 
     ``bwd`` is the full backward. A split backward pays ``bwd - wgrad`` for I and
     ``wgrad`` for W. ``comm`` is the latency of one point-to-point message, ``allreduce``
-    the time of one stage's gradient all-reduce.
+    the time of one stage's gradient all-reduce. ``send`` and ``recv`` are the rank's own
+    time to post one message and to take one that has arrived (the runtime's per-message
+    cost on the host: negligible next to GPU kernels, a visible share on CPU ranks).
     """
 
     fwd: float = 1.0
@@ -35,9 +37,11 @@ class Costs:
     wgrad: float = 1.0
     comm: float = 0.0
     allreduce: float = 0.0
+    send: float = 0.0
+    recv: float = 0.0
 
     def __post_init__(self):
-        for name in ("fwd", "bwd", "wgrad", "comm", "allreduce"):
+        for name in ("fwd", "bwd", "wgrad", "comm", "allreduce", "send", "recv"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"cost {name} must be a number >= 0, got {value!r}")
@@ -251,6 +255,7 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                             error(f"rank {r}: sends {m} before computing it")
                         if m in messages:
                             error(f"rank {r}: sends {m} twice")
+                        t += costs.send
                         messages[m] = t + costs.comm
                         edge_sent.setdefault((mkind, src, dst), []).append(mb)
                         waiter = msg_waiter.pop(m, None)
@@ -275,6 +280,7 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                     flags[ridx] = 1
                     if messages[m] > t:
                         t = messages[m]
+                    t += costs.recv
             elif type(op) is GradSync:
                 # a synchronous program syncs a stage once, after all its backwards; an asynchronous
                 # one syncs before every step, which checks its own micro-batch's backward

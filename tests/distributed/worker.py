@@ -119,6 +119,9 @@ def train_and_compare(schedule, stages, dp, n, steps=3, tied=False, clip=0.5, ac
                    for x, y in global_batches(steps)) / (n * dp)
     result["eval_diff"] = abs(eval_loss - ref_eval)
     result["zero1_early_chunks"] = getattr(engine, "zero1_early_chunks", None)
+    early = torch.tensor([getattr(getattr(engine, "p2p", None), "early_receives", 0)], device=_comm_device())
+    tdist.all_reduce(early)
+    result["early_receives"] = early.item()
     return result
 
 
