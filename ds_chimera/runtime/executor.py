@@ -77,6 +77,7 @@ class StepExecutor:
         self.ctx = ctx
         self.placement = ctx.placement
         self.records: list = []          # (rank, kind, chunk, mb, start, end) when tracing
+        self.recv_lookahead = RECV_LOOKAHEAD
 
     def run(self, ops, batches: dict, train: bool, scale: float, trace: bool = False, carry: dict | None = None,
             mb_base: int = 0, flush: bool = True):
@@ -105,7 +106,7 @@ class StepExecutor:
                 for msg in batch.recvs:
                     ctx.p2p.prepost(_global(msg, mb_base), placement.rank_of(msg.src), self._what(msg, mb_base))
 
-        post_ahead(RECV_LOOKAHEAD)
+        post_ahead(self.recv_lookahead)
         for op in ops:
             if type(op) is Action:
                 current_action = op
@@ -189,7 +190,7 @@ class StepExecutor:
                 if op.recvs:
                     # the next batches' receives go out before this one's wait, so their data
                     # can arrive while this rank computes
-                    post_ahead(next_recv_batch + 1 + RECV_LOOKAHEAD)
+                    post_ahead(next_recv_batch + 1 + self.recv_lookahead)
                     next_recv_batch += 1
                 for msg in op.recvs:
                     received[(msg.kind, msg.src, msg.dst, msg.mb)] = ctx.p2p.recv(

@@ -1,0 +1,100 @@
+"""Receives posted ahead of need against receives posted when needed, on the same engines.
+
+    python benchmarks/early_receives.py [--micro-batches 16] [--repeats 7]
+
+gloo holds a send until its receive is posted, so a receive posted only when its data is
+needed pays a round trip between the two ranks' communication threads. The executor posts
+the receives of the next two receiving comm batches early (``StepExecutor.recv_lookahead``).
+This script runs each schedule on one engine and alternates steps with the lookahead at 2
+(the default) and at 0 (each receive posted when needed), so both see the same machine
+state. Four CPU ranks, the timed model of ``schedules.py``. The last line is JSON.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCHEDULES = [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {}), ("zbv", {})]
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+
+    import deepspeed
+    import ds_chimera  # noqa: F401
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    sys.path.insert(0, HERE)
+    from schedules import COST_S, LAYERS, ds_config, label, random_batches
+    from timed_model import WIDTH, TimedLayer
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layer_s = COST_S * world / LAYERS
+    specs = [LayerSpec(TimedLayer, layer_s, layer_s, layer_s) for _ in range(LAYERS)]
+    n = args.micro_batches
+    ideal = n * 3 * COST_S
+    rows = []
+    for name, options in SCHEDULES:
+        net = PipelineModule(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+        engine, _, _, _ = deepspeed.initialize(model=net, config=ds_config(n, (name, options)),
+                                               optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
+        batch = random_batches(torch, WIDTH, n)
+        engine.train_batch(iter(batch))           # warm-up: edge headers, groups
+        times = {0: [], 2: []}
+        for _ in range(args.repeats):
+            for lookahead in (2, 0):
+                engine.executor.recv_lookahead = lookahead
+                dist.barrier()
+                start = time.perf_counter()
+                engine.train_batch(iter(batch))
+                dist.barrier()
+                times[lookahead].append(time.perf_counter() - start)
+        early, late = statistics.median(times[2]), statistics.median(times[0])
+        rows.append({"schedule": label(name, options), "N": n, "early_s": early, "late_s": late,
+                     "early_vs_ideal": early / ideal, "late_vs_ideal": late / ideal, "speedup": late / early})
+        if rank == 0:
+            print(f"  {label(name, options):<24} N={n:<3} early {early / ideal:6.3f} x ideal, when needed "
+                  f"{late / ideal:6.3f} x ideal: {late / early:5.3f}x", flush=True)
+    if rank == 0:
+        with open(args.out, "w") as fh:
+            json.dump(rows, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--micro-batches", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--out", default=os.path.join(HERE, "early_receives_results.json"))
+    args = parser.parse_args()
+    if args.micro_batches < 4 or args.micro_batches % 4:
+        parser.error(f"--micro-batches must be a multiple of 4 (the ranks), got {args.micro_batches}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.worker:
+        return worker(args)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", __file__, "--worker",
+           "--micro-batches", str(args.micro_batches), "--repeats", str(args.repeats), "--out", args.out]
+    print("4 ranks, timed model; steps alternate between receives posted early and when needed", flush=True)
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("  ") and "x ideal" in line:
+            print(line, flush=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-5000:])
+        return proc.returncode
+    print(json.dumps(json.load(open(args.out))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main() or 0)
