@@ -45,12 +45,12 @@ def worker(args):
     import ds_chimera  # noqa: F401
     from deepspeed.pipe import LayerSpec, PipelineModule
     from ds_chimera.sim import Costs, simulate
-    from timed_model import WIDTH, TimedLayer
+    from timed_model import WIDTH, TimedLayer, model_specs
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     layer_s = COST_S * world / LAYERS
-    specs = [LayerSpec(TimedLayer, layer_s, layer_s, layer_s) for _ in range(LAYERS)]
+    specs = model_specs(LayerSpec, layer_s, LAYERS)
     latency = p2p_latency(dist, torch, rank)
     f_s, i_s, w_s = calibrate(torch, TimedLayer, layer_s, LAYERS // world, WIDTH)
     slot = 3 * COST_S

@@ -31,12 +31,12 @@ def worker(args):
 
     sys.path.insert(0, HERE)
     from schedules import COST_S, LAYERS, ds_config, label, random_batches
-    from timed_model import WIDTH, TimedLayer
+    from timed_model import WIDTH, model_specs
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     layer_s = COST_S * world / LAYERS
-    specs = [LayerSpec(TimedLayer, layer_s, layer_s, layer_s) for _ in range(LAYERS)]
+    specs = model_specs(LayerSpec, layer_s, LAYERS)
     n = args.micro_batches
     ideal = n * 3 * COST_S
     rows = []

@@ -4,9 +4,12 @@
     python benchmarks/schedules.py --quick    # N = 8, fewer repeats
 
 Four CPU ranks (gloo). Every rank's share of the model costs F = I = W = 20 ms per
-micro-batch (8 timed layers, 2 per rank; 1 per chunk for 2-chunk schedules). For each
+micro-batch (8 timed layers, 2 per rank; 1 per chunk for 2-chunk schedules; a cost-free
+entry layer first, see ``timed_model``). For each
 schedule it prints the median step time over ideal = N * (F + I + W), and the simulator's
-prediction for the same program with the same costs. In the same invocation it runs
+prediction for the same program: with nominal costs, "calibrated" (the layers' measured costs
+and the ping-pong latency) and "full" (also the latency to a rank that has been waiting and
+the runtime's per-message host time, each measured apart from the steps). In the same invocation it runs
 DeepSpeed's stock TrainSchedule (1F1B) and DualPipeV engines, and torch.distributed.pipelining's
 GPipe, 1F1B, LoopedBFS, Interleaved1F1B, ZBV and DualPipeV schedules on the same layers,
 and a few schedules through ds_chimera's Megatron-Core contract (``ds_chimera.megatron``).
@@ -56,20 +59,23 @@ def worker(args):
     from ds_chimera.sim import Costs, simulate
 
     sys.path.insert(0, HERE)
-    from timed_model import WIDTH, TimedLayer
+    from timed_model import WIDTH, TimedLayer, model_specs
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     layer_s = COST_S * world / LAYERS
-    specs = [LayerSpec(TimedLayer, layer_s, layer_s, layer_s) for _ in range(LAYERS)]
+    specs = model_specs(LayerSpec, layer_s, LAYERS)
     rows = []
     latency = p2p_latency(dist, torch, rank)
-    send_s, recv_s = p2p_host_costs(dist, torch, rank)
+    waiting_latency = p2p_waiting_latency(dist, torch, rank, idle_s=layer_s)
+    send_s, recv_s, late_recv_s = p2p_host_costs(dist, torch, rank)
     calibrated = calibrate(torch, TimedLayer, layer_s, LAYERS // world, WIDTH)
     if rank == 0:
-        print(f"  measured one-way p2p latency (gloo, loopback, 2 cores): {latency * 1e3:.2f} ms", flush=True)
+        print(f"  measured one-way p2p latency (gloo, loopback, 2 cores): {latency * 1e3:.2f} ms ping-pong, "
+              f"{waiting_latency * 1e3:.2f} ms to a rank that has waited {layer_s * 1e3:.0f} ms", flush=True)
         print(f"  measured per-message host time of the runtime's P2P: send {send_s * 1e3:.3f} ms, "
-              f"receive (posted early, taken after arrival) {recv_s * 1e3:.3f} ms", flush=True)
+              f"receive (posted early, taken after arrival) {recv_s * 1e3:.3f} ms; a receive posted only when "
+              f"needed would take {late_recv_s * 1e3:.3f} ms", flush=True)
         print(f"  measured timed-layer costs per rank share: F {calibrated[0] * 1e3:.2f} ms, I {calibrated[1] * 1e3:.2f} "
               f"ms, W {calibrated[2] * 1e3:.2f} ms (nominal {COST_S * 1e3:.0f} each)", flush=True)
 
@@ -98,18 +104,19 @@ def worker(args):
             sim0 = simulate(engine.plan.program, Costs(fwd=COST_S, bwd=2 * COST_S, wgrad=COST_S)).makespan
             f_s, i_s, w_s = calibrated
             sim = simulate(engine.plan.program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=latency)).makespan
-            sim_host = simulate(engine.plan.program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=latency,
+            sim_full = simulate(engine.plan.program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=waiting_latency,
                                                            send=send_s, recv=recv_s)).makespan
             rows.append({"runtime": "ds_chimera", "schedule": label(name, options), "N": n, "step_s": median,
                          "vs_ideal": median / ideal, "sim_vs_ideal": sim / ideal, "sim_nocomm_vs_ideal": sim0 / ideal,
-                         "measured_vs_sim": median / sim, "sim_host_vs_ideal": sim_host / ideal,
-                         "measured_vs_sim_host": median / sim_host, "latency_s": latency,
+                         "measured_vs_sim": median / sim, "sim_full_vs_ideal": sim_full / ideal,
+                         "measured_vs_sim_full": median / sim_full, "latency_s": latency,
+                         "waiting_latency_s": waiting_latency,
                          "send_s": send_s, "recv_s": recv_s})
             if rank == 0:
                 print(f"  ds_chimera {label(name, options):<28} N={n:<3} {median / ideal:6.3f} x ideal"
-                      f"  (simulated: nominal {sim0 / ideal:5.3f}, calibrated {sim / ideal:5.3f}, + host "
-                      f"{sim_host / ideal:5.3f}; measured/calibrated {median / sim:5.3f}, "
-                      f"/ + host {median / sim_host:5.3f})", flush=True)
+                      f"  (simulated: nominal {sim0 / ideal:5.3f}, calibrated {sim / ideal:5.3f}, full "
+                      f"{sim_full / ideal:5.3f}; measured/calibrated {median / sim:5.3f}, "
+                      f"/ full {median / sim_full:5.3f})", flush=True)
         for name, options in MEGATRON:
             if not wanted(args, label(name, options)) or (args.only and "megatron" not in args.only):
                 continue
@@ -119,15 +126,15 @@ def worker(args):
             median = timed(step, args.repeats)
             f_s, i_s, w_s = calibrated
             sim = simulate(program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=latency)).makespan
-            sim_host = simulate(program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=latency,
+            sim_full = simulate(program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=waiting_latency,
                                                send=send_s, recv=recv_s)).makespan
             rows.append({"runtime": "ds_chimera.megatron", "schedule": label(name, options), "N": n, "step_s": median,
                          "vs_ideal": median / ideal, "sim_vs_ideal": sim / ideal, "measured_vs_sim": median / sim,
-                         "sim_host_vs_ideal": sim_host / ideal, "measured_vs_sim_host": median / sim_host})
+                         "sim_full_vs_ideal": sim_full / ideal, "measured_vs_sim_full": median / sim_full})
             if rank == 0:
                 print(f"  megatron   {label(name, options):<28} N={n:<3} {median / ideal:6.3f} x ideal"
-                      f"  (simulated: calibrated {sim / ideal:5.3f}, + host {sim_host / ideal:5.3f}; "
-                      f"measured/calibrated {median / sim:5.3f}, / + host {median / sim_host:5.3f})", flush=True)
+                      f"  (simulated: calibrated {sim / ideal:5.3f}, full {sim_full / ideal:5.3f}; "
+                      f"measured/calibrated {median / sim:5.3f}, / full {median / sim_full:5.3f})", flush=True)
         for runtime, name in PEERS:
             if not wanted(args, name):
                 continue
@@ -232,28 +239,54 @@ def p2p_latency(dist, torch, rank, rounds=200):
     return float(value)
 
 
-def p2p_host_costs(dist, torch, rank, rounds=100):
-    """Median host time of the runtime's own P2P per message, ranks 0 -> 1, used as it is in a
-    step: receives posted ahead of need, then taken once their data has arrived.
+def p2p_waiting_latency(dist, torch, rank, idle_s: float, rounds=40):
+    """Median one-way latency, ranks 0 -> 1, to a receiver that has been waiting ``idle_s``.
 
-    Returns (send, receive): posting one send; posting one receive early plus taking it.
-    Measured apart from any step, so the simulator that uses them is not fitted to the steps.
+    The pipeline's critical path runs through ranks waiting for their input. A thread that
+    has slept that long wakes far more slowly on this VM than one in a ping-pong loop, so
+    this, not the ping-pong figure, is the latency a waiting rank sees. The sender stamps
+    each message with ``time.perf_counter()`` (CLOCK_MONOTONIC, shared by the processes of
+    one machine) and the receiver subtracts it from its own clock on arrival.
+    """
+    stamp = torch.zeros(1, dtype=torch.float64)
+    delays = []
+    dist.barrier()
+    for _ in range(rounds):
+        if rank == 0:
+            time.sleep(idle_s)
+            stamp[0] = time.perf_counter()
+            dist.send(stamp, 1)
+        elif rank == 1:
+            dist.recv(stamp, 0)
+            delays.append(time.perf_counter() - float(stamp[0]))
+    value = torch.tensor([statistics.median(delays) if delays else 0.0], dtype=torch.float64)
+    dist.all_reduce(value)                         # only rank 1 measured
+    return float(value)
+
+
+def p2p_host_costs(dist, torch, rank, rounds=100):
+    """Median host time of the runtime's own P2P per message, ranks 0 -> 1.
+
+    Returns (send, receive, late receive): posting one send; posting one receive ahead of
+    need and taking it once its data has arrived (what the executor does); and, for
+    comparison, taking an arrived message whose receive is posted only then. Measured apart
+    from any step, so the simulator that uses them is not fitted to the steps.
     """
     from ds_chimera.runtime.p2p import P2P
     from ds_chimera.schedules.actions import Message
 
     p2p = P2P(lambda p: p, torch.device("cpu"), 2, 60.0)
-    p2p.max_pending = 4 * rounds        # the second half's sends wait for receives taken after a barrier
+    p2p.max_pending = 4 * rounds        # later phases' sends wait for receives taken after a barrier
     payload = torch.randn(MICRO, 16)
-    sends, preposts, takes = [], [], []
-    messages = [Message("act", 0, 1, i) for i in range(2 * rounds + 1)]
+    sends, preposts, takes, late = [], [], [], []
+    messages = [Message("act", 0, 1, i) for i in range(3 * rounds + 1)]
     if rank == 0:
         p2p.send(messages[0], 1, payload)          # the edge's one header goes first
     elif rank == 1:
         p2p.recv(messages[0], 0, "warm-up")
-    halves = (range(1, rounds + 1), range(rounds + 1, 2 * rounds + 1))
-    for half, ids in enumerate(halves):
-        if rank == 1:
+    phases = [range(1 + k * rounds, 1 + (k + 1) * rounds) for k in range(3)]
+    for phase, ids in enumerate(phases):
+        if rank == 1 and phase < 2:                # the executor posts receives ahead of need
             for i in ids:
                 start = time.perf_counter()
                 p2p.prepost(messages[i], 0, "timing")
@@ -261,28 +294,29 @@ def p2p_host_costs(dist, torch, rank, rounds=100):
         dist.barrier()
         if rank == 0:
             for i in ids:
-                if half == 0:                          # spaced out: each send is timed alone
+                if phase == 0:                         # spaced out: each send is timed alone
                     time.sleep(0.002)
                 start = time.perf_counter()
                 p2p.send(messages[i], 1, payload)
-                sends.append(time.perf_counter() - start)
-        elif rank == 1 and half == 0:
+                if phase == 0:
+                    sends.append(time.perf_counter() - start)
+        elif rank == 1 and phase == 0:
             for i in ids:
                 p2p.recv(messages[i], 0, "timing")
         dist.barrier()
-        if rank == 1 and half == 1:                # every message has arrived
+        if rank == 1 and phase > 0:                # every message of the phase has been sent
             for i in ids:
                 time.sleep(0.001)
                 start = time.perf_counter()
                 p2p.recv(messages[i], 0, "timing")
-                takes.append(time.perf_counter() - start)
+                (takes if phase == 1 else late).append(time.perf_counter() - start)
     p2p.flush()
     median = statistics.median
-    values = torch.tensor([median(sends[:rounds]) if sends else 0.0,
-                           median(preposts) + median(takes) if takes else 0.0], dtype=torch.float64)
-    dist.all_reduce(values)                        # rank 0 holds the first, rank 1 the second
+    values = torch.tensor([median(sends) if sends else 0.0, median(preposts) + median(takes) if takes else 0.0,
+                           median(late) if late else 0.0], dtype=torch.float64)
+    dist.all_reduce(values)                        # rank 0 measured the first, rank 1 the others
     dist.barrier()
-    return float(values[0]), float(values[1])
+    return tuple(float(v) for v in values)
 
 
 def megatron_contract_step(name, options, n, specs, world, rank, data):
@@ -308,14 +342,15 @@ def megatron_contract_step(name, options, n, specs, world, rank, data):
         def forward(self, x):
             return self.layers(self.input if self.input is not None else x)
 
+    from timed_model import stage_layers
+
     schedule = make_schedule(name, world, n, options)
     placement = schedule.placement
-    per_stage = LAYERS // placement.num_stages
     last = placement.num_stages - 1
     chunks = []
     for c in placement.chunks_on(rank):
         stage = placement.chunks[c].stage
-        chunks.append(TimedChunk([specs[i].build() for i in range(stage * per_stage, (stage + 1) * per_stage)], stage))
+        chunks.append(TimedChunk(stage_layers(specs, stage, placement.num_stages), stage))
     forward_backward = dsm.get_forward_backward_func(name, **options)
     opt = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=1e-3)
     batch = data(n)
@@ -340,10 +375,11 @@ def torch_pipelining_step(name, n, specs, world, rank, data):
     from torch import nn
     from torch.distributed import pipelining as pp
 
+    from timed_model import stage_layers
+
     looped = name in ("LoopedBFS", "Interleaved1F1B")
     vshape = name in ("ZBVZeroBubble", "DualPipeV")
     num_stages = 2 * world if (looped or vshape) else world
-    per_stage = LAYERS // num_stages
     if looped:
         mine = [rank, rank + world]
     elif vshape:
@@ -353,7 +389,7 @@ def torch_pipelining_step(name, n, specs, world, rank, data):
     stages, params = [], []
     for s in mine:
         torch.manual_seed(s)
-        module = nn.Sequential(*[specs[i].build() for i in range(s * per_stage, (s + 1) * per_stage)])
+        module = nn.Sequential(*stage_layers(specs, s, num_stages))
         params += list(module.parameters())
         stages.append(pp.PipelineStage(module, s, num_stages, torch.device("cpu")))
     loss_fn = nn.MSELoss()
@@ -426,9 +462,9 @@ def summarise(rows):
                 line += f"; {fastest['schedule']} throughput / stock 1F1B = {stock[0]['step_s'] / fastest['step_s']:.2f}"
         print(line)
     worst = max((r["measured_vs_sim"] for r in ok if "measured_vs_sim" in r), default=float("nan"))
-    worst_host = max((r["measured_vs_sim_host"] for r in ok if "measured_vs_sim_host" in r), default=float("nan"))
-    print(f"worst measured/simulated over ds_chimera rows: {worst:.3f} (calibrated compute and latency), "
-          f"{worst_host:.3f} (also the measured per-message host time)")
+    worst_full = max((r["measured_vs_sim_full"] for r in ok if "measured_vs_sim_full" in r), default=float("nan"))
+    print(f"worst measured/simulated over ds_chimera rows: {worst:.3f} (calibrated: compute and ping-pong latency), "
+          f"{worst_full:.3f} (full: also a waiting rank's latency and the per-message host time)")
 
 
 if __name__ == "__main__":

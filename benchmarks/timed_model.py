@@ -4,6 +4,17 @@ Forward sleeps F; the input-grad path sleeps I; the weight-grad path sleeps W. T
 separate autograd functions, so a fused backward pays I + W and a split backward pays
 each once, where the schedule puts it. Sleeping frees the cores, so 4 ranks on 2 cores
 measure the schedule and the runtime's own overhead.
+
+The model (``model_specs``) starts with a cost-free layer that has a parameter, as a real
+model starts with its embedding. Without it, the first stage's input-grad work would be
+free (nothing below its first timed layer needs a gradient), so every runtime would run
+stage 0 one I per micro-batch cheaper than the "ideal" and the simulator assume.
+
+Each cost is held to a deadline, so a layer takes its nominal cost and not more: a plain
+``time.sleep`` overshoots by its wake-up latency (0.15-0.5 ms per 10 ms on this VM,
+depending on the host's load), and the first Python code after a sleep runs slowly on a
+vCPU that went idle. The forward's deadline counts from the layer's entry, so its own
+autograd bookkeeping is inside F; each backward path's deadline counts from its entry.
 """
 import time
 
@@ -11,19 +22,33 @@ import torch
 from torch import nn
 
 WIDTH = 16
+SPIN_S = 0.001     # the last part of each cost is spun, not slept: wake-up latency is about this
+
+
+def hold_until(deadline: float) -> None:
+    """Return at ``deadline`` (a perf_counter time): sleep most of the wait (freeing the core), spin the end."""
+    rest = deadline - time.perf_counter()
+    if rest > SPIN_S:
+        time.sleep(rest - SPIN_S)
+    while time.perf_counter() < deadline:
+        pass
+
+
+def hold(seconds: float) -> None:
+    """Take ``seconds`` of wall time, accurately."""
+    hold_until(time.perf_counter() + seconds)
 
 
 class _InputPath(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fwd_s, igrad_s):
-        time.sleep(fwd_s)
+    def forward(ctx, x, igrad_s):
         ctx.igrad_s = igrad_s
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.igrad_s)
-        return grad, None, None
+        hold(ctx.igrad_s)
+        return grad, None
 
 
 class _WeightPath(torch.autograd.Function):
@@ -34,7 +59,7 @@ class _WeightPath(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.wgrad_s)
+        hold(ctx.wgrad_s)
         return grad.sum().reshape(1), None, None
 
 
@@ -45,5 +70,34 @@ class TimedLayer(nn.Module):
         self.costs = (fwd_s, igrad_s, wgrad_s)
 
     def forward(self, x):
+        start = time.perf_counter()
         fwd_s, igrad_s, wgrad_s = self.costs
-        return _InputPath.apply(x, fwd_s, igrad_s) + _WeightPath.apply(self.weight, x.detach(), wgrad_s)
+        out = _InputPath.apply(x, igrad_s) + _WeightPath.apply(self.weight, x.detach(), wgrad_s)
+        hold_until(start + fwd_s)
+        return out
+
+
+class EntryLayer(nn.Module):
+    """The model's cost-free first layer, with a parameter (an embedding's place): the first
+    timed layer's input-grad path is then needed, and paid, like every other stage's."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+def model_specs(layer_spec, layer_s: float, layers: int) -> list:
+    """The timed model as DeepSpeed layer specs: the entry layer, then ``layers`` timed layers
+    of ``layer_s`` each for F, I and W. Cut it with ``partition_method="uniform"``: the entry
+    layer then joins the first stage."""
+    return [layer_spec(EntryLayer)] + [layer_spec(TimedLayer, layer_s, layer_s, layer_s) for _ in range(layers)]
+
+
+def stage_layers(specs: list, stage: int, num_stages: int) -> list:
+    """Built layers of ``stage``, cut as DeepSpeed's uniform partition cuts ``specs``."""
+    from deepspeed.runtime.utils import partition_uniform
+    bounds = partition_uniform(len(specs), num_stages)
+    return [spec.build() for spec in specs[bounds[stage]:bounds[stage + 1]]]

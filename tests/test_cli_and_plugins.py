@@ -27,6 +27,16 @@ def test_simulate_json_last_line_has_the_documented_keys(capsys):
     assert len(data["peak_activations"]) == 4
 
 
+def test_simulate_takes_host_costs_per_message(capsys):
+    def makespan(*extra):
+        assert cli.main(["simulate", "--schedule", "gpipe", "--stages", "2", "--micro-batches", "1",
+                         "--cost-comm", "0.5", *extra, "--json"]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["makespan"]
+    # F, send, latency, receive, F, B, send, latency, receive, B
+    assert makespan() == 7.0
+    assert makespan("--cost-send", "0.1", "--cost-recv", "0.2") == 7.6
+
+
 def test_simulate_writes_trace_and_plot(tmp_path, capsys):
     trace, png = tmp_path / "t.json", tmp_path / "g.png"
     assert cli.main(["simulate", "--schedule", "chimera", "--stages", "4", "--micro-batches", "8",

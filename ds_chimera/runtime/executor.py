@@ -100,11 +100,14 @@ class StepExecutor:
         self.records = []
         recv_batches = [op for op in ops if type(op) is CommBatch and op.recvs]
         next_recv_batch = 0       # index into recv_batches of the next batch this loop reaches
+        posted_upto = 0           # recv_batches[:posted_upto] have had their receives posted early
 
         def post_ahead(upto: int) -> None:
-            for batch in recv_batches[next_recv_batch:upto]:
+            nonlocal posted_upto
+            for batch in recv_batches[posted_upto:upto]:
                 for msg in batch.recvs:
                     ctx.p2p.prepost(_global(msg, mb_base), placement.rank_of(msg.src), self._what(msg, mb_base))
+            posted_upto = max(posted_upto, upto)
 
         post_ahead(self.recv_lookahead)
         for op in ops:
