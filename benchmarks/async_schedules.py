@@ -25,12 +25,13 @@ import argparse
 import itertools
 import json
 import os
-import subprocess
+import shutil
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from ranks import launch, save_rows  # noqa: E402
 from schedules import COST_S, LAYERS, calibrate, ds_config, median_step, p2p_latency, random_batches  # noqa: E402
 
 OURS = [("pipeoptim", {"fill": "continuous"}), ("pipedream", {"fill": "continuous"}),
@@ -127,12 +128,8 @@ def worker(args):
                 print(f"  deepspeed  {'TrainSchedule':<30} N={stock_n:<3} per micro-batch "
                       f"{median / (stock_n * slot):6.3f} x ideal", flush=True)
     if rank == 0:
-        with open(args.out, "w") as fh:
-            json.dump(rows, fh)
-        import shutil
         shutil.rmtree(trace_root[0], ignore_errors=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    save_rows(dist, rows, args.out)
 
 
 def main():
@@ -148,21 +145,13 @@ def main():
     args.repeats = args.repeats or (2 if args.quick else 3)
     if args.worker:
         return worker(args)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", __file__, "--worker",
-           "--out", args.out, "--repeats", str(args.repeats), "--micro-batches", *map(str, args.micro_batches)]
-    if args.only:
-        cmd += ["--only", *args.only]
     print(f"4 ranks, F = I = W = {COST_S * 1e3:.0f} ms per rank and mini-batch; ideal = F + I + W per mini-batch",
           flush=True)
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith(("  ds_chimera", "  deepspeed")) or "Error" in line:
-            print(line, flush=True)
-    if proc.returncode != 0:
-        print(proc.stdout[-5000:])
-        return proc.returncode
-    rows = json.load(open(args.out))
+    worker_args = ["--repeats", args.repeats, "--micro-batches", *args.micro_batches] + \
+        (["--only", *args.only] if args.only else [])
+    rows = launch(__file__, worker_args, args.out, ("  ds_chimera", "  deepspeed"))
+    if rows is None:
+        return 1
     print(json.dumps(rows))
     return 0
 

@@ -13,11 +13,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from ranks import launch, save_rows  # noqa: E402
 SCHEDULES = [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {}), ("zbv", {})]
 
 
@@ -61,11 +62,7 @@ def worker(args):
         if rank == 0:
             print(f"  {label(name, options):<24} N={n:<3} early {early / ideal:6.3f} x ideal, when needed "
                   f"{late / ideal:6.3f} x ideal: {late / early:5.3f}x", flush=True)
-    if rank == 0:
-        with open(args.out, "w") as fh:
-            json.dump(rows, fh)
-    dist.barrier()
-    dist.destroy_process_group()
+    save_rows(dist, rows, args.out)
 
 
 def main():
@@ -81,18 +78,12 @@ def main():
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.worker:
         return worker(args)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", __file__, "--worker",
-           "--micro-batches", str(args.micro_batches), "--repeats", str(args.repeats), "--out", args.out]
     print("4 ranks, timed model; steps alternate between receives posted early and when needed", flush=True)
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("  ") and "x ideal" in line:
-            print(line, flush=True)
-    if proc.returncode != 0:
-        print(proc.stdout[-5000:])
-        return proc.returncode
-    print(json.dumps(json.load(open(args.out))))
+    rows = launch(__file__, ["--micro-batches", args.micro_batches, "--repeats", args.repeats], args.out,
+                  lambda line: line.startswith("  ") and "x ideal" in line)
+    if rows is None:
+        return 1
+    print(json.dumps(rows))
     return 0
 
 

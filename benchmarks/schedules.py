@@ -19,11 +19,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from ranks import launch, save_rows  # noqa: E402
 COST_S = 0.020
 LAYERS = 8
 MICRO = 1
@@ -160,11 +161,7 @@ def worker(args):
             rows.append({"runtime": runtime, "schedule": name, "N": n, "step_s": median, "vs_ideal": median / ideal})
             if rank == 0:
                 print(f"  {runtime:<10} {name:<28} N={n:<3} {median / ideal:6.3f} x ideal", flush=True)
-    if rank == 0:
-        with open(args.out, "w") as fh:
-            json.dump(rows, fh)
-    dist.barrier()
-    dist.destroy_process_group()
+    save_rows(dist, rows, args.out)
 
 
 def random_batches(torch, width: int, n: int) -> list:
@@ -427,21 +424,13 @@ def main():
     args.repeats = args.repeats or (3 if args.quick else 5)
     if args.worker:
         return worker(args)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", __file__, "--worker",
-           "--out", args.out, "--repeats", str(args.repeats), "--micro-batches", *map(str, args.micro_batches)]
-    if args.only:
-        cmd += ["--only", *args.only]
     print(f"4 ranks, F = I = W = {COST_S * 1e3:.0f} ms per rank and micro-batch; ratios are median step / ideal",
           flush=True)
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith(("  ds_chimera", "  megatron", "  deepspeed", "  torch", "  measured")) or "Error" in line:
-            print(line, flush=True)
-    if proc.returncode != 0:
-        print(proc.stdout[-5000:])
-        return proc.returncode
-    rows = json.load(open(args.out))
+    worker_args = ["--repeats", args.repeats, "--micro-batches", *args.micro_batches] + \
+        (["--only", *args.only] if args.only else [])
+    rows = launch(__file__, worker_args, args.out, ("  ds_chimera", "  megatron", "  deepspeed", "  torch", "  measured"))
+    if rows is None:
+        return 1
     summarise(rows)
     print(json.dumps(rows))
     return 0

@@ -19,10 +19,11 @@ is JSON.
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from ranks import launch, save_rows  # noqa: E402
 COST_S, LAYERS, MICRO = 0.020, 8, 1
 
 
@@ -72,11 +73,7 @@ def worker(args):
         rows.append({"row": label, "step_s": median, "vs_ideal": median / ideal})
         if rank == 0:
             print(f"  {label:<36} {median / ideal:6.3f} x ideal ({median * 1e3:.0f} ms)", flush=True)
-    if rank == 0:
-        with open(args.out, "w") as fh:
-            json.dump(rows, fh)
-    dist.barrier()
-    dist.destroy_process_group()
+    save_rows(dist, rows, args.out)
 
 
 def main():
@@ -91,20 +88,12 @@ def main():
         parser.error(f"--payload must be >= 1, got {args.payload}")
     if args.worker:
         return worker(args)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", __file__, "--worker",
-           "--payload", str(args.payload), "--micro-batches", str(args.micro_batches), "--repeats", str(args.repeats),
-           "--out", args.out]
     print(f"2 stages x 2 data-parallel, breadth-first V=2, N={args.micro_batches}, {args.payload:,} extra parameters "
           f"per layer ({args.payload * 4 * LAYERS // 2 / 2 ** 20:.0f} MiB of gradients per rank)", flush=True)
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("  ") and "x ideal" in line:
-            print(line, flush=True)
-    if proc.returncode != 0:
-        print(proc.stdout[-5000:])
-        return proc.returncode
-    rows = json.load(open(args.out))
+    rows = launch(__file__, ["--payload", args.payload, "--micro-batches", args.micro_batches, "--repeats", args.repeats],
+                  args.out, lambda line: line.startswith("  ") and "x ideal" in line)
+    if rows is None:
+        return 1
     by = {r["row"]: r["step_s"] for r in rows}
     print(f"end / per-chunk step time (ZeRO-1): {by['ZeRO-1, reduce at the end'] / by['ZeRO-1, reduce per chunk']:.3f}; "
           f"ZeRO-1 per-chunk / ZeRO-0: {by['ZeRO-1, reduce per chunk'] / by['ZeRO-0, async all-reduce per stage']:.3f}")
