@@ -25,45 +25,48 @@ WIDTH = 16
 SPIN_S = 0.001     # the last part of each cost is spun, not slept: wake-up latency is about this
 
 
-def hold_until(deadline: float) -> None:
-    """Return at ``deadline`` (a perf_counter time): sleep most of the wait (freeing the core), spin the end."""
+def hold_until(deadline: float, spin_s: float = SPIN_S) -> None:
+    """Return at ``deadline`` (a perf_counter time): sleep most of the wait (freeing the core),
+    spin the last ``spin_s``."""
     rest = deadline - time.perf_counter()
-    if rest > SPIN_S:
-        time.sleep(rest - SPIN_S)
+    if rest > spin_s:
+        time.sleep(rest - spin_s)
     while time.perf_counter() < deadline:
         pass
 
 
-def hold(seconds: float) -> None:
+def hold(seconds: float, spin_s: float = SPIN_S) -> None:
     """Take ``seconds`` of wall time, accurately."""
-    hold_until(time.perf_counter() + seconds)
+    hold_until(time.perf_counter() + seconds, spin_s)
 
 
 class _InputPath(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, igrad_s):
-        ctx.igrad_s = igrad_s
+    def forward(ctx, x, igrad_s, spin_s):
+        ctx.igrad_s, ctx.spin_s = igrad_s, spin_s
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        hold(ctx.igrad_s)
-        return grad, None
+        hold(ctx.igrad_s, ctx.spin_s)
+        return grad, None, None
 
 
 class _WeightPath(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, like, wgrad_s):
-        ctx.wgrad_s = wgrad_s
+    def forward(ctx, weight, like, wgrad_s, spin_s):
+        ctx.wgrad_s, ctx.spin_s = wgrad_s, spin_s
         return weight.expand_as(like).clone()
 
     @staticmethod
     def backward(ctx, grad):
-        hold(ctx.wgrad_s)
-        return grad.sum().reshape(1), None, None
+        hold(ctx.wgrad_s, ctx.spin_s)
+        return grad.sum().reshape(1), None, None, None
 
 
 class TimedLayer(nn.Module):
+    spin_s = SPIN_S     # 0: plain sleeps, every core left free (for benchmarks whose communication needs CPU)
+
     def __init__(self, fwd_s: float, igrad_s: float, wgrad_s: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1))
@@ -72,8 +75,9 @@ class TimedLayer(nn.Module):
     def forward(self, x):
         start = time.perf_counter()
         fwd_s, igrad_s, wgrad_s = self.costs
-        out = _InputPath.apply(x, igrad_s) + _WeightPath.apply(self.weight, x.detach(), wgrad_s)
-        hold_until(start + fwd_s)
+        out = _InputPath.apply(x, igrad_s, self.spin_s) + _WeightPath.apply(self.weight, x.detach(), wgrad_s,
+                                                                           self.spin_s)
+        hold_until(start + fwd_s, self.spin_s)
         return out
 
 

@@ -5,7 +5,8 @@
 Four CPU ranks as 2 pipeline stages x 2 data-parallel replicas, breadth-first with 2 chunks
 per rank, on the timed model (F = I = W = 20 ms per rank share and micro-batch). Each timed
 layer also carries ``--payload`` extra parameters, so the data-parallel reduction moves real
-bytes. Rows, in one invocation:
+bytes. The timed layers sleep without spinning, so the reductions get every free core. Rows,
+in one invocation, built side by side and stepped in turn (a burst of host load hits all alike):
 
 - ZeRO-1 with ``"zero1_reduce": "chunk"`` (the default). Chunk v's gradients go to ZeRO's
   partitioned reduction as soon as its last backward is done, while chunk v-1 still computes.
@@ -19,7 +20,9 @@ is JSON.
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -37,7 +40,7 @@ def worker(args):
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     sys.path.insert(0, HERE)
-    from schedules import median_step, random_batches
+    from schedules import random_batches
     from timed_model import WIDTH, TimedLayer
 
     class PayloadLayer(TimedLayer):
@@ -46,6 +49,8 @@ def worker(args):
         def __init__(self, fwd_s, igrad_s, wgrad_s, size):
             super().__init__(fwd_s, igrad_s, wgrad_s)
             self.payload = nn.Parameter(torch.zeros(size))
+
+        spin_s = 0.0        # plain sleeps: the reductions below need every free core
 
         def forward(self, x):
             return super().forward(x) + 0.0 * self.payload[:1].sum()
@@ -57,7 +62,7 @@ def worker(args):
     specs = [LayerSpec(PayloadLayer, layer_s, layer_s, layer_s, args.payload) for _ in range(LAYERS)]
     n = args.micro_batches
     ideal = n * 3 * COST_S
-    rows = []
+    rows, engines = [], []
     for label, zero, reduce in (("ZeRO-1, reduce per chunk", 1, "chunk"), ("ZeRO-1, reduce at the end", 1, "end"),
                                 ("ZeRO-0, async all-reduce per stage", 0, None)):
         cfg = {"train_batch_size": n * MICRO * 2, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10 ** 9,
@@ -68,8 +73,19 @@ def worker(args):
         net = PipelineModule(layers=specs, num_stages=stages, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
         engine, _, _, _ = deepspeed.initialize(model=net, config=cfg, model_parameters=net.parameters(),
                                                optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
-        batch = random_batches(torch, WIDTH, n)
-        median = median_step(dist, lambda: engine.train_batch(iter(batch)), args.repeats)
+        engines.append((label, engine))
+    batch = random_batches(torch, WIDTH, n)
+    times = {label: [] for label, _ in engines}
+    for repeat in range(args.repeats + 1):        # the first round warms up
+        for label, engine in engines:             # rows take turns, so a burst of host load hits them alike
+            dist.barrier()
+            start = time.perf_counter()
+            engine.train_batch(iter(batch))
+            dist.barrier()
+            if repeat:
+                times[label].append(time.perf_counter() - start)
+    for label, _ in engines:
+        median = statistics.median(times[label])
         rows.append({"row": label, "step_s": median, "vs_ideal": median / ideal})
         if rank == 0:
             print(f"  {label:<36} {median / ideal:6.3f} x ideal ({median * 1e3:.0f} ms)", flush=True)
