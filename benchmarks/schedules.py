@@ -13,6 +13,8 @@ the runtime's per-message host time, each measured apart from the steps). In the
 DeepSpeed's stock TrainSchedule (1F1B) and DualPipeV engines, and torch.distributed.pipelining's
 GPipe, 1F1B, LoopedBFS, Interleaved1F1B, ZBV and DualPipeV schedules on the same layers,
 and a few schedules through ds_chimera's Megatron-Core contract (``ds_chimera.megatron``).
+For each N every row is built first, then the rows take turns, one step each per round, so
+a burst of load on the shared host hits them alike.
 The last line is a JSON object with every row.
 """
 import argparse
@@ -83,90 +85,102 @@ def worker(args):
     def data(n):
         return random_batches(torch, WIDTH, n)
 
-    def timed(step, repeats):
-        return median_step(dist, step, repeats)
-
     def sgd(p):
         return torch.optim.SGD(p, lr=1e-3)
 
+    def engine_step(net, config):
+        engine, _, _, _ = deepspeed.initialize(model=net, config=config, optimizer=sgd)
+        batch = data(n)
+        return engine, (lambda: engine.train_batch(iter(batch)))
+
+    def peer_row(runtime, name, why):       # report, never hide: the row says why it is missing
+        rows.append({"runtime": runtime, "schedule": name, "N": n, "error": repr(why)[:200]})
+        if rank == 0:
+            print(f"  {runtime:<10} {name:<28} N={n:<3} failed: {why!r}"[:240], flush=True)
+
+    f_s, i_s, w_s = calibrated
+    calibrated_costs = Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=latency)
+    full_costs = Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=waiting_latency, send=send_s, recv=recv_s)
     for n in args.micro_batches:
         ideal = n * 3 * COST_S
+        entries = []       # (runtime, schedule label, step, lowered program or None): every row of this N
         for name, options in OURS:
-            if not wanted(args, label(name, options)):
-                continue
-            if name == "dualpipev" and n < 2 * world:
-                continue
-            if name == "interleaved" and n % world:
+            if not wanted(args, label(name, options)) or (name == "dualpipev" and n < 2 * world) or \
+                    (name == "interleaved" and n % world):
                 continue
             net = PipelineModule(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
-            engine, _, _, _ = deepspeed.initialize(model=net, config=ds_config(n, (name, options)), optimizer=sgd)
-            batch = data(n)
-            median = timed(lambda: engine.train_batch(iter(batch)), args.repeats)
-            sim0 = simulate(engine.plan.program, Costs(fwd=COST_S, bwd=2 * COST_S, wgrad=COST_S)).makespan
-            f_s, i_s, w_s = calibrated
-            sim = simulate(engine.plan.program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=latency)).makespan
-            sim_full = simulate(engine.plan.program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=waiting_latency,
-                                                           send=send_s, recv=recv_s)).makespan
-            rows.append({"runtime": "ds_chimera", "schedule": label(name, options), "N": n, "step_s": median,
-                         "vs_ideal": median / ideal, "sim_vs_ideal": sim / ideal, "sim_nocomm_vs_ideal": sim0 / ideal,
-                         "measured_vs_sim": median / sim, "sim_full_vs_ideal": sim_full / ideal,
-                         "measured_vs_sim_full": median / sim_full, "latency_s": latency,
-                         "waiting_latency_s": waiting_latency,
-                         "send_s": send_s, "recv_s": recv_s})
-            if rank == 0:
-                print(f"  ds_chimera {label(name, options):<28} N={n:<3} {median / ideal:6.3f} x ideal"
-                      f"  (simulated: nominal {sim0 / ideal:5.3f}, calibrated {sim / ideal:5.3f}, full "
-                      f"{sim_full / ideal:5.3f}; measured/calibrated {median / sim:5.3f}, "
-                      f"/ full {median / sim_full:5.3f})", flush=True)
+            engine, step = engine_step(net, ds_config(n, (name, options)))
+            entries.append(("ds_chimera", label(name, options), step, engine.plan.program))
         for name, options in MEGATRON:
-            if not wanted(args, label(name, options)) or (args.only and "megatron" not in args.only):
-                continue
-            if name == "interleaved" and n % world:
+            if not wanted(args, label(name, options)) or (args.only and "megatron" not in args.only) or \
+                    (name == "interleaved" and n % world):
                 continue
             step, program = megatron_contract_step(name, options, n, specs, world, rank, data)
-            median = timed(step, args.repeats)
-            f_s, i_s, w_s = calibrated
-            sim = simulate(program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=latency)).makespan
-            sim_full = simulate(program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=waiting_latency,
-                                               send=send_s, recv=recv_s)).makespan
-            rows.append({"runtime": "ds_chimera.megatron", "schedule": label(name, options), "N": n, "step_s": median,
-                         "vs_ideal": median / ideal, "sim_vs_ideal": sim / ideal, "measured_vs_sim": median / sim,
-                         "sim_full_vs_ideal": sim_full / ideal, "measured_vs_sim_full": median / sim_full})
-            if rank == 0:
-                print(f"  megatron   {label(name, options):<28} N={n:<3} {median / ideal:6.3f} x ideal"
-                      f"  (simulated: calibrated {sim / ideal:5.3f}, full {sim_full / ideal:5.3f}; "
-                      f"measured/calibrated {median / sim:5.3f}, / full {median / sim_full:5.3f})", flush=True)
+            entries.append(("ds_chimera.megatron", label(name, options), step, program))
         for runtime, name in PEERS:
-            if not wanted(args, name):
-                continue
-            if "DualPipeV" in name and n < 2 * world:
-                continue
-            if name == "Interleaved1F1B" and n % world:
+            if not wanted(args, name) or ("DualPipeV" in name and n < 2 * world) or \
+                    (name == "Interleaved1F1B" and n % world):
                 continue
             try:
                 if runtime == "deepspeed":
                     cls = DualPipeVModule if name == "DualPipeV" else PipelineModule
                     net = cls(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
-                    engine, _, _, _ = deepspeed.initialize(model=net, config=ds_config(n), optimizer=sgd)
-                    batch = data(n)
-                    median = timed(lambda: engine.train_batch(iter(batch)), args.repeats)
+                    _, step = engine_step(net, ds_config(n))
                 else:
                     step = torch_pipelining_step(name, n, specs, world, rank, data)
-                    median = timed(step, args.repeats)
-            except Exception as exc:     # report, never hide: the row says why it is missing
-                rows.append({"runtime": runtime, "schedule": name, "N": n, "error": repr(exc)[:200]})
-                if rank == 0:
-                    print(f"  {runtime:<10} {name:<28} N={n:<3} failed: {exc!r}"[:240], flush=True)
+                step()                   # warm-up here, so a peer that cannot run is reported, not fatal
+            except Exception as exc:
+                peer_row(runtime, name, exc)
                 continue
-            rows.append({"runtime": runtime, "schedule": name, "N": n, "step_s": median, "vs_ideal": median / ideal})
+            entries.append((runtime, name, step, None))
+        if rank == 0:
+            print(f"  timing {len(entries)} rows at N={n}: {args.repeats} rounds, the rows taking turns", flush=True)
+        medians = median_steps_in_turn(dist, [entry[2] for entry in entries], args.repeats)
+        for (runtime, name, _, program), median in zip(entries, medians):
+            row = {"runtime": runtime, "schedule": name, "N": n, "step_s": median, "vs_ideal": median / ideal}
+            if program is None:
+                rows.append(row)
+                if rank == 0:
+                    print(f"  {runtime:<10} {name:<28} N={n:<3} {median / ideal:6.3f} x ideal", flush=True)
+                continue
+            sim0 = simulate(program, Costs(fwd=COST_S, bwd=2 * COST_S, wgrad=COST_S)).makespan
+            sim = simulate(program, calibrated_costs).makespan
+            sim_full = simulate(program, full_costs).makespan
+            row.update({"sim_nocomm_vs_ideal": sim0 / ideal, "sim_vs_ideal": sim / ideal, "measured_vs_sim": median / sim,
+                        "sim_full_vs_ideal": sim_full / ideal, "measured_vs_sim_full": median / sim_full,
+                        "latency_s": latency, "waiting_latency_s": waiting_latency, "send_s": send_s, "recv_s": recv_s})
+            rows.append(row)
             if rank == 0:
-                print(f"  {runtime:<10} {name:<28} N={n:<3} {median / ideal:6.3f} x ideal", flush=True)
+                shown = "ds_chimera" if runtime == "ds_chimera" else "megatron  "
+                print(f"  {shown} {name:<28} N={n:<3} {median / ideal:6.3f} x ideal"
+                      f"  (simulated: nominal {sim0 / ideal:5.3f}, calibrated {sim / ideal:5.3f}, full "
+                      f"{sim_full / ideal:5.3f}; measured/calibrated {median / sim:5.3f}, "
+                      f"/ full {median / sim_full:5.3f})", flush=True)
     save_rows(dist, rows, args.out)
 
 
 def random_batches(torch, width: int, n: int) -> list:
     """n (input, target) micro-batches of the timed model."""
     return [(torch.randn(MICRO, width), torch.randn(MICRO, width)) for _ in range(n)]
+
+
+def median_steps_in_turn(dist, steps: list, repeats: int) -> list:
+    """Median wall time of each of ``steps`` on all ranks, after one warm-up round.
+
+    The steps take turns, one call each per round, so a burst of load on this shared host
+    hits every row alike instead of whichever row was running then.
+    """
+    for step in steps:
+        step()
+    times = [[] for _ in steps]
+    for _ in range(repeats):
+        for i, step in enumerate(steps):
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            dist.barrier()
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def median_step(dist, step, repeats: int) -> float:
