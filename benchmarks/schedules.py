@@ -9,7 +9,8 @@ entry layer first, see ``timed_model``). For each
 schedule it prints the median step time over ideal = N * (F + I + W), and the simulator's
 prediction for the same program: with nominal costs, "calibrated" (the layers' measured costs
 and the ping-pong latency) and "full" (also the latency to a rank that has been waiting and
-the runtime's per-message host time, each measured apart from the steps). In the same invocation it runs
+the runtime's per-message host time, each measured apart from the steps, just before and
+just after each N's rows; the mean of the two is used). In the same invocation it runs
 DeepSpeed's stock TrainSchedule (1F1B) and DualPipeV engines, and torch.distributed.pipelining's
 GPipe, 1F1B, LoopedBFS, Interleaved1F1B, ZBV and DualPipeV schedules on the same layers,
 and a few schedules through ds_chimera's Megatron-Core contract (``ds_chimera.megatron``).
@@ -69,18 +70,20 @@ def worker(args):
     layer_s = COST_S * world / LAYERS
     specs = model_specs(LayerSpec, layer_s, LAYERS)
     rows = []
-    latency = p2p_latency(dist, torch, rank)
-    waiting_latency = p2p_waiting_latency(dist, torch, rank, idle_s=layer_s)
-    send_s, recv_s, late_recv_s = p2p_host_costs(dist, torch, rank)
-    calibrated = calibrate(torch, TimedLayer, layer_s, LAYERS // world, WIDTH)
-    if rank == 0:
-        print(f"  measured one-way p2p latency (gloo, loopback, 2 cores): {latency * 1e3:.2f} ms ping-pong, "
-              f"{waiting_latency * 1e3:.2f} ms to a rank that has waited {layer_s * 1e3:.0f} ms", flush=True)
-        print(f"  measured per-message host time of the runtime's P2P: send {send_s * 1e3:.3f} ms, "
-              f"receive (posted early, taken after arrival) {recv_s * 1e3:.3f} ms; a receive posted only when "
-              f"needed would take {late_recv_s * 1e3:.3f} ms", flush=True)
-        print(f"  measured timed-layer costs per rank share: F {calibrated[0] * 1e3:.2f} ms, I {calibrated[1] * 1e3:.2f} "
-              f"ms, W {calibrated[2] * 1e3:.2f} ms (nominal {COST_S * 1e3:.0f} each)", flush=True)
+
+    def measure_costs(when: str) -> dict:
+        """The costs the simulations use, measured now, apart from any step."""
+        latency = p2p_latency(dist, torch, rank)
+        waiting = p2p_waiting_latency(dist, torch, rank, idle_s=layer_s)
+        send_s, recv_s, late_recv_s = p2p_host_costs(dist, torch, rank)
+        f_s, i_s, w_s = calibrate(torch, TimedLayer, layer_s, LAYERS // world, WIDTH)
+        if rank == 0:
+            print(f"  measured {when}: one-way p2p latency {latency * 1e3:.2f} ms ping-pong, {waiting * 1e3:.2f} ms to "
+                  f"a rank that has waited {layer_s * 1e3:.0f} ms; P2P host time per message: send "
+                  f"{send_s * 1e3:.3f} ms, receive posted early {recv_s * 1e3:.3f} ms (posted when needed "
+                  f"{late_recv_s * 1e3:.3f} ms); timed-layer costs per rank share: F {f_s * 1e3:.2f} ms, "
+                  f"I {i_s * 1e3:.2f} ms, W {w_s * 1e3:.2f} ms (nominal {COST_S * 1e3:.0f} each)", flush=True)
+        return {"latency": latency, "waiting": waiting, "send": send_s, "recv": recv_s, "f": f_s, "i": i_s, "w": w_s}
 
     def data(n):
         return random_batches(torch, WIDTH, n)
@@ -98,9 +101,6 @@ def worker(args):
         if rank == 0:
             print(f"  {runtime:<10} {name:<28} N={n:<3} failed: {why!r}"[:240], flush=True)
 
-    f_s, i_s, w_s = calibrated
-    calibrated_costs = Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=latency)
-    full_costs = Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=waiting_latency, send=send_s, recv=recv_s)
     for n in args.micro_batches:
         ideal = n * 3 * COST_S
         entries = []       # (runtime, schedule label, step, lowered program or None): every row of this N
@@ -135,7 +135,14 @@ def worker(args):
             entries.append((runtime, name, step, None))
         if rank == 0:
             print(f"  timing {len(entries)} rows at N={n}: {args.repeats} rounds, the rows taking turns", flush=True)
+        before = measure_costs(f"before the N={n} rows")
         medians = median_steps_in_turn(dist, [entry[2] for entry in entries], args.repeats)
+        after = measure_costs(f"after the N={n} rows")
+        # the host's load drifts: the simulations use the mean of the costs measured around the rows
+        cost = {key: (before[key] + after[key]) / 2 for key in before}
+        calibrated_costs = Costs(fwd=cost["f"], bwd=cost["i"] + cost["w"], wgrad=cost["w"], comm=cost["latency"])
+        full_costs = Costs(fwd=cost["f"], bwd=cost["i"] + cost["w"], wgrad=cost["w"], comm=cost["waiting"],
+                           send=cost["send"], recv=cost["recv"])
         for (runtime, name, _, program), median in zip(entries, medians):
             row = {"runtime": runtime, "schedule": name, "N": n, "step_s": median, "vs_ideal": median / ideal}
             if program is None:
@@ -148,7 +155,8 @@ def worker(args):
             sim_full = simulate(program, full_costs).makespan
             row.update({"sim_nocomm_vs_ideal": sim0 / ideal, "sim_vs_ideal": sim / ideal, "measured_vs_sim": median / sim,
                         "sim_full_vs_ideal": sim_full / ideal, "measured_vs_sim_full": median / sim_full,
-                        "latency_s": latency, "waiting_latency_s": waiting_latency, "send_s": send_s, "recv_s": recv_s})
+                        "latency_s": cost["latency"], "waiting_latency_s": cost["waiting"], "send_s": cost["send"],
+                        "recv_s": cost["recv"], "layer_costs_s": [cost["f"], cost["i"], cost["w"]]})
             rows.append(row)
             if rank == 0:
                 shown = "ds_chimera" if runtime == "ds_chimera" else "megatron  "
@@ -442,7 +450,7 @@ def main():
           flush=True)
     worker_args = ["--repeats", args.repeats, "--micro-batches", *args.micro_batches] + \
         (["--only", *args.only] if args.only else [])
-    rows = launch(__file__, worker_args, args.out, ("  ds_chimera", "  megatron", "  deepspeed", "  torch", "  measured"))
+    rows = launch(__file__, worker_args, args.out, ("  ds_chimera", "  megatron", "  deepspeed", "  torch", "  measured", "  timing"))
     if rows is None:
         return 1
     summarise(rows)
