@@ -450,7 +450,8 @@ def main():
           flush=True)
     worker_args = ["--repeats", args.repeats, "--micro-batches", *args.micro_batches] + \
         (["--only", *args.only] if args.only else [])
-    rows = launch(__file__, worker_args, args.out, ("  ds_chimera", "  megatron", "  deepspeed", "  torch", "  measured", "  timing"))
+    rows = launch(__file__, worker_args, args.out,
+                  ("  ds_chimera", "  megatron", "  deepspeed", "  torch", "  measured", "  timing"))
     if rows is None:
         return 1
     summarise(rows)
