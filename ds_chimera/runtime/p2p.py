@@ -193,20 +193,22 @@ class P2P:
         if early is not None:
             self.early_receives += 1
             out, works = early
-            for work in works:
-                self._wait(work, what)
-            return out
-        peer, group = self.to_global(src_rank), self._group(msg)
+        else:
+            out, works = self._post_payload(msg, src_rank, self._meta(msg, src_rank, what), what)
+        for work in works:
+            self._wait(work, what)
+        return out
+
+    def _meta(self, msg, src_rank: int, what: str) -> list:
+        """The shapes of ``msg``'s tensors: remembered for a static edge, else read from its header."""
         meta = None if self.dynamic_shapes else self.recv_meta.get(self._edge(msg))
         if meta is None:
+            peer, group = self.to_global(src_rank), self._group(msg)
             header = torch.zeros(HEADER, dtype=torch.int64, device=self.device if self.header_on_device else "cpu")
             self._wait(lambda: dist.irecv(header, peer, group=group, tag=self._tag(msg, 0)), what)
             meta = decode_header(header.cpu())
             self.recv_meta[self._edge(msg)] = meta
-        out, works = self._post_payload(msg, src_rank, meta, what)
-        for work in works:
-            self._wait(work, what)
-        return out
+        return meta
 
     def flush(self) -> None:
         """Wait for every posted send (end of step): their buffers may then be freed."""
