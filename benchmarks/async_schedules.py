@@ -32,7 +32,8 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from ranks import launch, save_rows  # noqa: E402
-from schedules import COST_S, LAYERS, calibrate, ds_config, median_step, p2p_latency, random_batches  # noqa: E402
+from schedules import (COST_S, LAYERS, calibrate, ds_config, init_timed_model, median_step,  # noqa: E402
+                       p2p_latency, random_batches)
 
 OURS = [("pipeoptim", {"fill": "continuous"}), ("pipedream", {"fill": "continuous"}),
         ("pipeoptim", {}), ("spectrain", {}), ("pipedream", {}), ("pipedream-2bw", {}), ("1f1b", {})]
@@ -44,14 +45,11 @@ def worker(args):
 
     import deepspeed
     import ds_chimera  # noqa: F401
-    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.pipe import PipelineModule
     from ds_chimera.sim import Costs, simulate
-    from timed_model import WIDTH, TimedLayer, model_specs
+    from timed_model import WIDTH, TimedLayer
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    layer_s = COST_S * world / LAYERS
-    specs = model_specs(LayerSpec, layer_s, LAYERS)
+    rank, world, layer_s, specs = init_timed_model()
     latency = p2p_latency(dist, torch, rank)
     f_s, i_s, w_s = calibrate(torch, TimedLayer, layer_s, LAYERS // world, WIDTH)
     slot = 3 * COST_S

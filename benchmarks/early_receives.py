@@ -12,9 +12,7 @@ state. Four CPU ranks, the timed model of ``schedules.py``. The last line is JSO
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -28,16 +26,13 @@ def worker(args):
 
     import deepspeed
     import ds_chimera  # noqa: F401
-    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.pipe import PipelineModule
 
     sys.path.insert(0, HERE)
-    from schedules import COST_S, LAYERS, ds_config, label, random_batches
-    from timed_model import WIDTH, model_specs
+    from schedules import COST_S, ds_config, init_timed_model, label, median_steps_in_turn, random_batches
+    from timed_model import WIDTH
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    layer_s = COST_S * world / LAYERS
-    specs = model_specs(LayerSpec, layer_s, LAYERS)
+    rank, world, _, specs = init_timed_model()
     n = args.micro_batches
     ideal = n * 3 * COST_S
     rows = []
@@ -46,17 +41,13 @@ def worker(args):
         engine, _, _, _ = deepspeed.initialize(model=net, config=ds_config(n, (name, options)),
                                                optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
         batch = random_batches(torch, WIDTH, n)
-        engine.train_batch(iter(batch))           # warm-up: edge headers, groups
-        times = {0: [], 2: []}
-        for _ in range(args.repeats):
-            for lookahead in (2, 0):
+
+        def step_with(lookahead, engine=engine, batch=batch):
+            def step():
                 engine.executor.recv_lookahead = lookahead
-                dist.barrier()
-                start = time.perf_counter()
                 engine.train_batch(iter(batch))
-                dist.barrier()
-                times[lookahead].append(time.perf_counter() - start)
-        early, late = statistics.median(times[2]), statistics.median(times[0])
+            return step
+        early, late = median_steps_in_turn(dist, [step_with(2), step_with(0)], args.repeats)
         rows.append({"schedule": label(name, options), "N": n, "early_s": early, "late_s": late,
                      "early_vs_ideal": early / ideal, "late_vs_ideal": late / ideal, "speedup": late / early})
         if rank == 0:

@@ -57,18 +57,15 @@ def worker(args):
 
     import deepspeed
     import ds_chimera  # noqa: F401
-    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
     from ds_chimera.sim import Costs, simulate
 
     sys.path.insert(0, HERE)
-    from timed_model import WIDTH, TimedLayer, model_specs
+    from timed_model import WIDTH, TimedLayer
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    layer_s = COST_S * world / LAYERS
-    specs = model_specs(LayerSpec, layer_s, LAYERS)
+    rank, world, layer_s, specs = init_timed_model()
     rows = []
 
     def measure_costs(when: str) -> dict:
@@ -193,15 +190,25 @@ def median_steps_in_turn(dist, steps: list, repeats: int) -> list:
 
 def median_step(dist, step, repeats: int) -> float:
     """Median wall time of ``step`` on all ranks (barriers around each), after one warm-up call."""
-    step()                                     # warm-up: shapes, groups, allocator
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_steps_in_turn(dist, [step], repeats)[0]
+
+
+def init_timed_model():
+    """Join the gloo process group and build the timed model's layer specs.
+
+    Returns (rank, world size, seconds per timed layer and op, specs): every rank's share of
+    the LAYERS timed layers costs COST_S per op, behind the cost-free entry layer.
+    """
+    import torch.distributed as dist
+
+    import deepspeed
+    from deepspeed.pipe import LayerSpec
+    from timed_model import model_specs
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    world = dist.get_world_size()
+    layer_s = COST_S * world / LAYERS
+    return dist.get_rank(), world, layer_s, model_specs(LayerSpec, layer_s, LAYERS)
 
 
 def ds_config(n: int, schedule=None, trace_dir=None) -> dict:

@@ -20,9 +20,7 @@ is JSON.
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -40,7 +38,7 @@ def worker(args):
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     sys.path.insert(0, HERE)
-    from schedules import random_batches
+    from schedules import median_steps_in_turn, random_batches
     from timed_model import WIDTH, TimedLayer
 
     class PayloadLayer(TimedLayer):
@@ -75,17 +73,10 @@ def worker(args):
                                                optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
         engines.append((label, engine))
     batch = random_batches(torch, WIDTH, n)
-    times = {label: [] for label, _ in engines}
-    for repeat in range(args.repeats + 1):        # the first round warms up
-        for label, engine in engines:             # rows take turns, so a burst of host load hits them alike
-            dist.barrier()
-            start = time.perf_counter()
-            engine.train_batch(iter(batch))
-            dist.barrier()
-            if repeat:
-                times[label].append(time.perf_counter() - start)
-    for label, _ in engines:
-        median = statistics.median(times[label])
+    # rows take turns, so a burst of host load hits them alike
+    medians = median_steps_in_turn(dist, [lambda e=engine: e.train_batch(iter(batch)) for _, engine in engines],
+                                   args.repeats)
+    for (label, _), median in zip(engines, medians):
         rows.append({"row": label, "step_s": median, "vs_ideal": median / ideal})
         if rank == 0:
             print(f"  {label:<36} {median / ideal:6.3f} x ideal ({median * 1e3:.0f} ms)", flush=True)
