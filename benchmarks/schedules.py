@@ -34,9 +34,11 @@ MICRO = 1
 
 OURS = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"chunks": 2}), ("breadth-first", {"chunks": 2}),
         ("chimera", {"order": "concat"}), ("chimera", {"order": "merged"}), ("chimera", {"order": "forward-doubling"}),
+        ("chimera", {"order": "zero-bubble"}), ("chimera", {"order": "zero-bubble", "pipelines": 2}),
         ("zb-h1", {}), ("zbv", {}), ("dualpipev", {})]
 # the same runtime behind Megatron-Core's forward-backward contract (ds_chimera.megatron)
-MEGATRON = [("1f1b", {}), ("interleaved", {"chunks": 2}), ("chimera", {"order": "merged"}), ("zb-h1", {}), ("zbv", {})]
+MEGATRON = [("1f1b", {}), ("interleaved", {"chunks": 2}), ("chimera", {"order": "merged"}),
+            ("chimera", {"order": "zero-bubble"}), ("zb-h1", {}), ("zbv", {})]
 PEERS = [("deepspeed", "TrainSchedule (1F1B)"), ("deepspeed", "DualPipeV"),
          ("torch", "GPipe"), ("torch", "1F1B"), ("torch", "LoopedBFS"), ("torch", "Interleaved1F1B"),
          ("torch", "ZBVZeroBubble"), ("torch", "DualPipeV")]

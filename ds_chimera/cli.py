@@ -34,7 +34,7 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", type=int, required=True, help="micro-batches per step N")
     p.add_argument("--chunks", type=int, help="chunks per rank V (interleaved, breadth-first)")
     p.add_argument("--pipelines", type=int, help="Chimera: down (= up) pipelines f, f | D/2")
-    p.add_argument("--order", help="Chimera: auto, concat, forward-doubling or merged")
+    p.add_argument("--order", help="Chimera: auto, concat, forward-doubling, merged or zero-bubble")
     p.add_argument("--cost-fwd", type=float, default=1.0, help="forward cost per micro-batch and stage")
     p.add_argument("--cost-bwd", type=float, default=2.0, help="full backward cost")
     p.add_argument("--cost-wgrad", type=float, default=1.0, help="weight-grad share of the backward")

@@ -17,8 +17,8 @@ WORKER = os.path.join(HERE, "distributed", "worker.py")
 sys.path.insert(0, os.path.join(HERE, "distributed"))
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "breadth-first", "chimera", "chimera-fd", "chimera-merged",
-             "chimera-concat", "zb-h1", "zbv", "dualpipev"]
-EQUIV = [f"equiv-{topo}-{s}" for topo in ("4x1", "2x2") for s in SCHEDULES]
+             "chimera-concat", "chimera-zb", "zb-h1", "zbv", "dualpipev"]
+EQUIV = [f"equiv-{topo}-{s}" for topo in ("4x1", "2x2") for s in SCHEDULES] + ["equiv-4x1-chimera-zb-f2"]
 OTHER = ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv", "actckpt-4x1-chimera", "actckpt-4x1-zb-h1",
          "actckpt-4x1-interleaved", "ckpt-resume-chimera", "ckpt-resume-2x2-zbv", "ckpt-cross-chimera-to-1f1b",
          "ckpt-cross-chimera-to-stock", "ckpt-cross-zbv-to-interleaved", "stock-clipping", "bf16-4x1-chimera",
@@ -80,6 +80,7 @@ def test_chimera_holds_two_replicas_per_stage(results):
     assert results["equiv-4x1-chimera"]["copies"] == 2
     assert results["equiv-2x2-chimera"]["copies"] == 4      # 2 replicas x 2 data-parallel
     assert results["equiv-4x1-1f1b"]["copies"] == 1
+    assert results["equiv-4x1-chimera-zb-f2"]["copies"] == 4   # two pipelines each way
 
 
 @pytest.mark.parametrize("scenario,forwards", [

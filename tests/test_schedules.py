@@ -58,6 +58,38 @@ def test_chimera_never_drops_work(order, pipelines):
         assert schedule.weights_per_rank() == [2.0 * pipelines] * 8
 
 
+@pytest.mark.parametrize("pipelines", [1, 2, 4])
+def test_chimera_zero_bubble_is_complete_within_1f1b_memory(pipelines):
+    for n in (1, 3, 8, 23, 24, 25, 64):
+        schedule = build("chimera", 8, n, order="zero-bubble", pipelines=pipelines)
+        result = simulate(schedule.lower(), SPLIT)
+        assert result.valid, (pipelines, n, result.errors[:3], result.deadlock)
+        kinds = [a.kind for order in schedule.orders for a in order]
+        assert sorted(set(kinds)) == sorted({FORWARD, INPUT_GRAD, WEIGHT_GRAD})
+        assert len(kinds) == 3 * n * 8
+        assert max(result.peak_activations) <= 8      # 1F1B's peak: D micro-batches in flight
+        assert schedule.weights_per_rank() == [2.0 * pipelines] * 8
+
+
+@pytest.mark.parametrize("d", [2, 4, 6, 8])
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_chimera_zero_bubble_waits_only_for_the_nearest_pipeline_head(d, k):
+    n = k * d
+    span = simulate(build("chimera", d, n, order="zero-bubble").lower(), SPLIT).makespan
+    assert span == pytest.approx(3 * n + (d - 1) // 2)
+    zbv = simulate(build("zbv", d, n).lower(), SPLIT).makespan
+    assert span == pytest.approx(zbv - 0.5)      # ZB-V's last rank waits (D-1)/2 units
+    if d == 4:   # two pipelines each way: every rank heads one, so nothing waits
+        both = simulate(build("chimera", d, n, order="zero-bubble", pipelines=2).lower(), SPLIT)
+        assert both.makespan == pytest.approx(3 * n)
+
+
+def test_chimera_auto_keeps_the_fused_backward():
+    # zero-bubble runs twice the backward ops and holds activations until W: chosen by name only
+    for n in (4, 8, 32):
+        assert build("chimera", 4, n, costs=SPLIT).order in ("concat", "merged", "forward-doubling")
+
+
 @pytest.mark.parametrize("d", [2, 3, 4, 6, 8])
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_gpipe_and_1f1b_bubble_closed_form(d, k):

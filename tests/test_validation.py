@@ -13,7 +13,7 @@ CASES = [
     ("chimera", 5, 8, {}, "chimera needs an even number of stages, got 5"),
     ("chimera", 8, 8, {"pipelines": 3}, "pipelines must divide stages/2 = 4 (allowed: [1, 2, 4]), got 3"),
     ("chimera", 8, 8, {"pipelines": 0}, "pipelines must be >= 1, got 0"),
-    ("chimera", 4, 8, {"order": "zigzag"}, "order must be one of auto, concat, forward-doubling, merged; got 'zigzag'"),
+    ("chimera", 4, 8, {"order": "zigzag"}, "order must be one of auto, concat, forward-doubling, merged, zero-bubble; got 'zigzag'"),
     ("chimera", 4, 8, {"costs": {"fwd": -1}}, "cost fwd must be a number >= 0, got -1"),
     ("interleaved", 4, 6, {}, "interleaved needs micro_batches to be a multiple of stages (4), got 6"),
     ("interleaved", 4, 8, {"chunks": 0}, "chunks must be >= 1, got 0"),

@@ -153,15 +153,16 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
 
     # ---- a call ----------------------------------------------------------------------------
     def _train_call(self, trace: bool):
-        """The program steps each stage itself; nothing is left to do after it."""
+        """The program steps each stage itself; nothing is left to do after it but the loss."""
         if self.continuous:
-            return self._continuous_call("first" if self.carry is None else "steady", trace)
-        batches = self._load_batches(self.micro_batches)
-        loss_sum, _ = self.executor.run(self.plan.program.ops[self.pipe_rank], batches, train=True,
-                                        scale=1.0 / self.update_interval, trace=trace)
-        for versions in self.weight_versions.values():
-            versions.reset()
-        return loss_sum
+            loss_sum = self._continuous_call("first" if self.carry is None else "steady", trace)
+        else:
+            batches = self._load_batches(self.micro_batches)
+            loss_sum, _ = self.executor.run(self.plan.program.ops[self.pipe_rank], batches, train=True,
+                                            scale=1.0 / self.update_interval, trace=trace)
+            for versions in self.weight_versions.values():
+                versions.reset()
+        return self._aggregate_loss(loss_sum, self.micro_batches)
 
     LOSS_TAG = 1 << 28       # above every pipeline message tag
 

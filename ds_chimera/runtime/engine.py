@@ -22,7 +22,7 @@ from deepspeed.runtime.pipe.module import TiedLayerSpec
 
 from .executor import StepExecutor, _to_device
 from .gradsync import FlatGradAllReduce
-from .p2p import P2P
+from .p2p import P2P, post_or_fail
 
 log = logging.getLogger("ds_chimera")
 LAYOUT_FILE = "ds_chimera_layout.json"
@@ -291,11 +291,23 @@ class ScheduledPipelineEngine(PipelineEngine):
     # ---- steps ---------------------------------------------------------------------------
     def _aggregate_loss(self, loss_sum, micro_batches: int):
         """Global mean of the micro-batch losses, on every rank (losses may live on several ranks)."""
+        return self._start_loss_mean(loss_sum, micro_batches)()
+
+    def _start_loss_mean(self, loss_sum, micro_batches: int):
+        """Post the loss all-reduce now; the returned function waits for it and gives the mean.
+
+        ``train_batch`` posts it before finishing the gradient syncs and stepping, so its
+        latency (a rendezvous of every rank) overlaps them instead of following them.
+        """
         total = torch.zeros(1, dtype=torch.float32, device=self.device)
         if loss_sum is not None:
             total += loss_sum.reshape(-1)[:1].to(total.dtype)
-        self.p2p._wait(lambda: dist.all_reduce(total, async_op=True), "the loss all-reduce")
-        return (total / (micro_batches * self.dp_size)).squeeze(0)
+        work = post_or_fail(lambda: dist.all_reduce(total, async_op=True), "the loss all-reduce")
+
+        def mean():
+            self.p2p._wait(work, "the loss all-reduce")
+            return (total / (micro_batches * self.dp_size)).squeeze(0)
+        return mean
 
     def train_batch(self, data_iter=None):
         if not torch._C.is_grad_enabled():
@@ -306,8 +318,7 @@ class ScheduledPipelineEngine(PipelineEngine):
         start = time.perf_counter()
         self.tput_timer.start()
         trace = self.plan.trace_dir is not None
-        loss_sum = self._train_call(trace)
-        self.agg_train_loss = self._aggregate_loss(loss_sum, self.micro_batches)
+        self.agg_train_loss = self._train_call(trace)
         self.tput_timer.stop(global_step=True)
         if trace:
             self._write_trace()
@@ -315,19 +326,20 @@ class ScheduledPipelineEngine(PipelineEngine):
         return self.agg_train_loss
 
     def _train_call(self, trace: bool):
-        """The work of one train_batch: the program, the gradient syncs, the step. Returns the loss sum."""
+        """The work of one train_batch: the program, the gradient syncs, the step. Returns the mean loss."""
         batches = self._load_batches(self.micro_batches)
         if self.zero1:
             self._zero1_start()
         loss_sum, _ = self.executor.run(self.plan.program.ops[self.pipe_rank], batches, train=True,
                                         scale=1.0 / self.micro_batches, trace=trace)
+        loss_mean = self._start_loss_mean(loss_sum, self.micro_batches)
         self._finish_grad_syncs()
         if self.zero1:
             self._zero1_finish()             # ZeRO-1 averages into each rank's partition and clips there
         else:
             self._clip_gradients()
         self._take_model_step(None)
-        return loss_sum
+        return loss_mean()
 
     def _print_progress(self, elapsed: float) -> None:
         """DeepSpeed-style progress line every ``steps_per_print`` train_batch calls."""

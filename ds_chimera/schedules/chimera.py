@@ -5,9 +5,10 @@ from .actions import BACKWARD, FORWARD, Action
 from .base import Schedule, check_choice, check_int
 from .classic import one_f_one_b_orders
 from .placement import Placement
-from .timing import compute_timing, merge_by_time, time_orders
+from .timing import compute_timing, fastest_list_schedule, merge_by_time, time_orders
 
-ORDERS = ("auto", "concat", "forward-doubling", "merged")
+ORDERS = ("auto", "concat", "forward-doubling", "merged", "zero-bubble")
+FUSED_ORDERS = ("concat", "forward-doubling", "merged")   # what ``auto`` chooses among
 
 
 class Chimera(Schedule):
@@ -27,7 +28,15 @@ class Chimera(Schedule):
       twice the activations, which the paper offsets with recomputation);
     * ``merged``: two whole 1F1B pipelines of N/2 micro-batches merged on unit-slot times
       (D+1 activations at most instead of D, and no unit junctions);
-    * ``auto``: simulate the three under ``costs`` (default F=1, B=2) and keep the fastest.
+    * ``zero-bubble``: the backward split into I and W (Qi et al., arXiv:2401.10241) and
+      the bidirectional placement list-scheduled like ZB-V, with 1F1B's peak of D
+      micro-batches in flight per rank. A rank starts once the nearest pipeline's first
+      forwards reach it, so at F = I = W and N >= 2D the makespan is 3N + (D-1)//2 units
+      with f = 1 (ZB-V: 3N + (D-1)/2; 1F1B: 3N + 3(D-1)), and 3N at D = 4, f = 2, where
+      every rank starts a pipeline (at twice the weights of f = 1);
+    * ``auto``: simulate the three fused-backward orders under ``costs`` (default F=1,
+      B=2) and keep the fastest. ``zero-bubble`` is chosen by name: it runs twice as
+      many backward ops, and holds each activation until its W.
 
     Unlike the reference generator, no order ever drops an operation, for any N >= 1.
     """
@@ -59,7 +68,7 @@ class Chimera(Schedule):
         elif isinstance(costs, dict):
             costs = Costs(**costs)
         best = None
-        for order in ORDERS[1:]:
+        for order in FUSED_ORDERS:
             candidate = Chimera(stages, micro_batches, pipelines=pipelines, order=order)
             if costs.allreduce:
                 makespan = simulate(candidate.lower(), costs).makespan
@@ -104,6 +113,8 @@ class Chimera(Schedule):
     # -- order -----------------------------------------------------------------
     def build_orders(self):
         d, pipes = self.stages, 2 * self.pipelines
+        if self.order == "zero-bubble":
+            return fastest_list_schedule(self.placement, [float(d)] * d, f"{self.name} order=zero-bubble")
         slots, slot_pipe = self.slots(), self.slot_pipelines()
         if self.order == "merged":
             units = [list(range(len(slots)))]

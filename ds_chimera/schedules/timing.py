@@ -196,6 +196,28 @@ def list_schedule(placement: Placement, limits: list, cost=(1.0, 1.0, 1.0), pref
     return (orders, max(busy_until)) if with_makespan else orders
 
 
+def fastest_list_schedule(placement: Placement, limits: list, name: str) -> list:
+    """The faster of the greedy variants (I first or F first; late chunk first or not).
+
+    Variants that stall on the memory bound are skipped; ties keep the earlier variant,
+    so the result is deterministic. ``name`` labels the error if every variant stalls.
+    """
+    best = None
+    for forward_first in (False, True):
+        for prefer_late_chunk in (True, False):
+            try:
+                orders, span = list_schedule(placement, limits, forward_first=forward_first,
+                                             prefer_late_chunk=prefer_late_chunk, with_makespan=True)
+            except RuntimeError:      # this greedy variant can stall on the memory bound
+                continue
+            if best is None or span < best[0] - 1e-9:
+                best = (span, orders)
+    if best is None:
+        raise RuntimeError(f"{name}: no list-scheduling variant completed for {placement.num_ranks} ranks, "
+                           f"{placement.num_micro_batches} micro-batches")
+    return best[1]
+
+
 def with_full_backward(orders: list) -> list:
     """Fuse each I with its W into one B at the I's position (for schedules without a split)."""
     return [[Action(BACKWARD, a.chunk, a.mb) if a.kind == INPUT_GRAD else a

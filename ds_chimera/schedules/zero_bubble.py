@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .actions import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
 from .base import Schedule, linear_placement, vshape_placement
-from .timing import list_schedule
+from .timing import fastest_list_schedule
 
 
 class ZBH1(Schedule):
@@ -49,7 +49,7 @@ class ZBV(Schedule):
     The order comes from greedy list scheduling on unit slots (F = I = W): a ready I
     (or, in the second variant, a ready F) first, then the other, with forwards kept
     within D stages of in-flight activations, then a deferred W when it ends before known
-    critical work. Both variants are simulated and the faster kept. Close to zero bubble
+    critical work. The greedy variants are simulated and the fastest kept. Close to zero bubble
     for N >= 2D.
     """
 
@@ -60,16 +60,4 @@ class ZBV(Schedule):
         return vshape_placement(self.stages, self.micro_batches)
 
     def build_orders(self):
-        best = None
-        for forward_first in (False, True):
-            try:
-                orders, span = list_schedule(self.placement, [float(self.stages)] * self.stages,
-                                             forward_first=forward_first, with_makespan=True)
-            except RuntimeError:      # this greedy variant can stall on the memory bound
-                continue
-            if best is None or span < best[0] - 1e-9:
-                best = (span, orders)
-        if best is None:
-            raise RuntimeError(f"zbv: no list-scheduling variant completed for D={self.stages}, "
-                               f"N={self.micro_batches}")
-        return best[1]
+        return fastest_list_schedule(self.placement, [float(self.stages)] * self.stages, self.name)

@@ -415,11 +415,14 @@ SCENARIOS["async-ckpt-resume-pipeoptim"] = lambda: checkpoint_resume("pipeoptim"
 SCENARIOS["async-ckpt-resume-2x2-pipedream"] = lambda: checkpoint_resume("pipedream", 2, 2, 4)
 SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved": {"chunks": 2}, "breadth-first": {"chunks": 2},
              "chimera": {}, "chimera-fd": {"order": "forward-doubling"}, "chimera-merged": {"order": "merged"},
-             "chimera-concat": {"order": "concat"}, "zb-h1": {}, "zbv": {}, "dualpipev": {}}
+             "chimera-concat": {"order": "concat"}, "chimera-zb": {"order": "zero-bubble"},
+             "zb-h1": {}, "zbv": {}, "dualpipev": {}}
 for key, opts in SCHEDULES.items():
     name = key.split("-")[0] if key.startswith("chimera") else key
     SCENARIOS[f"equiv-4x1-{key}"] = (lambda name=name, opts=opts: train_and_compare(name, 4, 1, 8, **opts))
     SCENARIOS[f"equiv-2x2-{key}"] = (lambda name=name, opts=opts: train_and_compare(name, 2, 2, 4, **opts))
+# four pipelines on four ranks (stages/2 = 1 on the 2 x 2 grid, so 4 x 1 only)
+SCENARIOS["equiv-4x1-chimera-zb-f2"] = lambda: train_and_compare("chimera", 4, 1, 8, order="zero-bubble", pipelines=2)
 SCENARIOS["tied-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8, tied=True)
 SCENARIOS["tied-4x1-1f1b"] = lambda: train_and_compare("1f1b", 4, 1, 8, tied=True)
 SCENARIOS["tied-2x2-zbv"] = lambda: train_and_compare("zbv", 2, 2, 4, tied=True)
