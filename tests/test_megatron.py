@@ -35,6 +35,7 @@ def test_every_synchronous_schedule_matches_single_process_training(contract_res
     """Gradients of every chunk equal one whole GPTModel's, trained in one process on the global batch."""
     cases = [c for c in contract_results[0] if "schedule" in c]
     assert sorted({c["schedule"] for c in cases if c["pp"] == 4}) == sorted(SYNCHRONOUS)
+    assert {"order": "zero-bubble"} in [c["options"] for c in cases if c["schedule"] == "chimera"]
     # and with Megatron DDP's main_grad accumulation: a split backward and Chimera's replica sum
     assert {c["schedule"] for c in cases if c["grads"] == "main_grad"} == {"zb-h1", "chimera"}
     assert {c["schedule"] for c in cases if c["pp"] == 2} == {"chimera", "interleaved"}     # 2 x 2 pipe x data
@@ -48,7 +49,8 @@ def test_every_synchronous_schedule_matches_single_process_training(contract_res
 
 
 def test_placements_and_loss_dicts_follow_the_schedule(contract_results):
-    by_rank = [{(c["schedule"], c["pp"]): c for c in results if "schedule" in c and c["grads"] == "grad"}
+    by_rank = [{(c["schedule"], c["pp"]): c for c in results
+                if "schedule" in c and c["grads"] == "grad" and not c["options"].get("order")}
                for results in contract_results]
     assert [by_rank[r][("chimera", 4)]["stages"] for r in range(4)] == [[0, 3], [1, 2], [2, 1], [3, 0]]
     assert [by_rank[r][("zbv", 4)]["stages"] for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
@@ -62,6 +64,13 @@ def test_placements_and_loss_dicts_follow_the_schedule(contract_results):
             if expected:
                 assert case["loss_diff"] <= 1e-6 and case["eval_diff"] <= 1e-6, (r, key)
     assert sum(by_rank[r][("chimera", 4)]["holds_loss"] for r in range(4)) == 2     # both ends of Chimera
+    zero_bubble = [next(c for c in results if c.get("options") == {"order": "zero-bubble"}) for results in contract_results]
+    assert [c["stages"] for c in zero_bubble] == [[0, 3], [1, 2], [2, 1], [3, 0]]
+    for case in zero_bubble:      # the swap between Chimera's two loss ranks: all 8 results on each
+        assert case["losses"] == (8 if case["holds_loss"] else 0) and case["eval_losses"] == case["losses"]
+        if case["holds_loss"]:
+            assert case["loss_diff"] <= 1e-6 and case["eval_diff"] <= 1e-6
+    assert sum(c["holds_loss"] for c in zero_bubble) == 2
 
 
 def test_unsplittable_setups_are_refused_on_every_rank(contract_results):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..runtime.executor import StepExecutor, _to_device
 from ..runtime.gradsync import FlatGradAllReduce
-from ..runtime.p2p import P2P, wait_or_fail
+from ..runtime.p2p import P2P, post_or_fail, wait_or_fail
 from ..runtime.plan import DEFAULT_TIMEOUT_S, proven_programs
 from ..schedules import registry
 from .stages import make_schedule, pipeline_group
@@ -440,7 +441,7 @@ class ScheduleRunner:
                                    scale=scale)
         for feed in shared.values():
             feed.finish()
-        losses = self._gather_losses(step, placement, group, device)
+        finish_losses = self._start_loss_exchange(step, placement, group, device)
         if train:
             step.finish_grad_syncs()
             num_tokens = None
@@ -453,7 +454,7 @@ class ScheduleRunner:
             if config.finalize_model_grads_func is not None:
                 config.finalize_model_grads_func(chunks, num_tokens, pg_collection=pg_collection,
                                                  force_all_reduce=force_all_reduce)
-        return losses
+        return finish_losses()
 
     @staticmethod
     def _sources(data_iterator, count: int) -> list:
@@ -482,21 +483,50 @@ class ScheduleRunner:
                                  f"stage {stage} (pipeline rank {self.rank} holds stages {stages}); build the "
                                  f"chunks for this schedule")
 
-    def _gather_losses(self, step, placement, group, device) -> list:
-        """Per-micro-batch results in order, on every rank that holds a loss stage."""
+    LOSS_TAG = 1 << 28       # above every pipeline message tag
+
+    def _start_loss_exchange(self, step, placement, group, device):
+        """Post the swap of per-micro-batch results between the loss ranks; return a function that
+        finishes it and gives them in order (on every rank that holds a loss stage, else []).
+
+        Chimera computes losses on two ranks. Only those ranks need each other's results, so
+        they swap them directly (a size, then the pickled results), and the swap overlaps the
+        gradient syncs instead of holding every rank in an object all-gather after the step.
+        """
         loss_ranks = sorted({placement.rank_of(c.index) for c in placement.chunks
                              if placement.next_chunk(c.index) is None})
-        if len(loss_ranks) == 1:
-            return [step.reduced[mb] for mb in sorted(step.reduced)]
-        # CPU copies travel: pickled device tensors would be rebuilt on the sender's device index
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, _to_device(step.reduced, torch.device("cpu")), group=group)
         if self.rank not in loss_ranks:
-            return []
-        merged = {}
-        for part in everyone:
-            merged.update(part)
-        return [_to_device(merged[mb], device) for mb in sorted(merged)]
+            return list
+        if len(loss_ranks) == 1:
+            return lambda: [step.reduced[mb] for mb in sorted(step.reduced)]
+        # CPU copies travel: pickled device tensors would be rebuilt on the sender's device index
+        on = device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+        payload = torch.frombuffer(bytearray(pickle.dumps(_to_device(step.reduced, torch.device("cpu")))),
+                                   dtype=torch.uint8).to(on)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=on)
+        peers = {r: (r if group is dist.group.WORLD or group is None else dist.get_global_rank(group, r))
+                 for r in loss_ranks if r != self.rank}
+        sends, sizes = [], {}
+        for r, peer in peers.items():
+            sends.append(post_or_fail(lambda: dist.isend(size, peer, group=group, tag=self.LOSS_TAG), "a loss send"))
+            sends.append(post_or_fail(lambda: dist.isend(payload, peer, group=group, tag=self.LOSS_TAG + 1),
+                                      "a loss send"))
+            sizes[r] = torch.zeros(1, dtype=torch.int64, device=on)
+        size_works = {r: post_or_fail(lambda r=r, peer=peer: dist.irecv(sizes[r], peer, group=group, tag=self.LOSS_TAG),
+                                      "a loss receive") for r, peer in peers.items()}
+
+        def finish() -> list:
+            merged = dict(step.reduced)
+            for r, peer in peers.items():
+                what = f"the loss results of pipeline rank {r}"
+                wait_or_fail(size_works[r], self.timeout_s, what)
+                data = torch.empty(int(sizes[r].item()), dtype=torch.uint8, device=on)
+                wait_or_fail(lambda: dist.irecv(data, peer, group=group, tag=self.LOSS_TAG + 1), self.timeout_s, what)
+                merged.update(pickle.loads(data.cpu().numpy().tobytes()))
+            for work in sends:
+                wait_or_fail(work, self.timeout_s, "a loss send")
+            return [_to_device(merged[mb], device) for mb in sorted(merged)]
+        return finish
 
 
 def get_forward_backward_func(schedule: str = "1f1b", *, timeout: float = DEFAULT_TIMEOUT_S, **options):

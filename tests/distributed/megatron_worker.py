@@ -22,7 +22,7 @@ N = 8
 CASES = [  # (schedule, options, pipeline size, loss form)
     ("gpipe", {}, 4, 2), ("1f1b", {}, 4, 3), ("interleaved", {"chunks": 2}, 4, 2),
     ("breadth-first", {"chunks": 2}, 4, 3), ("chimera", {}, 4, 3), ("zb-h1", {}, 4, 2),
-    ("zbv", {}, 4, 3), ("dualpipev", {}, 4, 2),
+    ("zbv", {}, 4, 3), ("dualpipev", {}, 4, 2), ("chimera", {"order": "zero-bubble"}, 4, 2),
     ("chimera", {}, 2, 2), ("interleaved", {"chunks": 2}, 2, 3),     # 2 x 2 pipe x data
     # gradients kept in main_grad by an accumulation hook, as Megatron's DDP does
     ("zb-h1", {}, 4, 2, "main_grad"), ("chimera", {}, 4, 3, "main_grad"),
@@ -166,7 +166,7 @@ def run_case(schedule, options, pp, loss_form, rank, world, grads="grad"):
     got_eval = [float(d["lm loss"]) for d in eval_losses]
     loss_diff = max(abs(a - b) for a, b in zip(got, ref_losses)) if got else None
     eval_diff = max(abs(a - b) for a, b in zip(got_eval, ref_losses)) if got_eval else None
-    return {"schedule": schedule, "pp": pp, "grads": grads, "stages": [c._ds_chimera_stage for c in chunks], "grad_diff": grad_diff,
+    return {"schedule": schedule, "options": options, "pp": pp, "grads": grads, "stages": [c._ds_chimera_stage for c in chunks], "grad_diff": grad_diff,
             "weight_diff": weight_diff, "grad_norm": grad_norm ** 0.5, "holds_loss": holds_loss, "losses": len(got), "eval_losses": len(got_eval),
             "loss_diff": loss_diff, "eval_diff": eval_diff, "finalize_calls": len(calls)}
 
