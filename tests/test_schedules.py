@@ -234,3 +234,18 @@ def test_fast_compute_timing_equals_the_simulator(comm):
         assert fast == pytest.approx(simulate(schedule.lower(), costs).makespan), (name, d, n, v)
         checked += 1
     assert checked > 100
+
+
+def test_replay_with_measured_op_durations():
+    """compute_timing(durations=...) replays each op on its own time: equal durations give the
+    per-kind makespan, and a slow op on the critical path delays the end by its excess."""
+    from ds_chimera.schedules.timing import compute_timing
+    schedule = build("1f1b", 2, 2)
+    costs = Costs(fwd=1.0, bwd=2.0, wgrad=1.0)
+    size = schedule.placement.size
+    same = {(a.kind, a.chunk, a.mb): costs.of(a.kind) * size for order in schedule.orders for a in order}
+    span, _ = compute_timing(schedule.placement, schedule.orders, costs)
+    assert compute_timing(schedule.placement, schedule.orders, costs, durations=same)[0] == pytest.approx(span)
+    slow = dict(same)
+    slow[(FORWARD, 0, 0)] += 3.0        # micro-batch 0's first forward: everything waits for it
+    assert compute_timing(schedule.placement, schedule.orders, costs, durations=slow)[0] == pytest.approx(span + 3.0)

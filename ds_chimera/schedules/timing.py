@@ -25,7 +25,7 @@ def time_orders(placement: Placement, orders: list, costs) -> dict:
     return compute_timing(placement, orders, costs, want_starts=True)[1]
 
 
-def compute_timing(placement: Placement, orders: list, costs, want_starts: bool = False):
+def compute_timing(placement: Placement, orders: list, costs, want_starts: bool = False, durations=None):
     """(makespan, start times) of valid compute orders: the simulator's timing without its checks.
 
     Used where many candidate orders are compared (Chimera's ``auto``, the pieces of ``merged``):
@@ -33,7 +33,8 @@ def compute_timing(placement: Placement, orders: list, costs, want_starts: bool 
     latency (``costs.comm``) but not gradient all-reduce time nor the hosts' per-message
     ``send``/``recv`` time (those depend on how lowering batches messages); with those at
     zero, tests hold it equal to the simulator's makespan. Raises RuntimeError if the orders
-    cannot complete.
+    cannot complete. ``durations`` maps ``(kind, chunk, mb)`` to that action's own time, in
+    place of ``costs``' per-kind figure: a measured step replayed on its own op times.
     """
     size = placement.size
     nch = len(placement.chunks)
@@ -74,7 +75,7 @@ def compute_timing(placement: Placement, orders: list, costs, want_starts: bool 
                     t = when
             if want_starts:
                 starts[(kind, c, mb)] = t
-            t += cost.get(kind, 0.0)
+            t += cost.get(kind, 0.0) if durations is None else durations[(kind, c, mb)]
             out = (FORWARD, c, mb) if kind == FORWARD else (("G", c, mb) if kind in (BACKWARD, INPUT_GRAD) else None)
             if out is not None:
                 ready[out] = t

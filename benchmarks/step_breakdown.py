@@ -1,0 +1,157 @@
+"""Where one schedule's step goes, on the timed model: from the ideal to the measured step.
+
+    python benchmarks/step_breakdown.py                                   # chimera zero-bubble, f = 2, N = 8
+    python benchmarks/step_breakdown.py --schedule zbv --micro-batches 16
+    python benchmarks/step_breakdown.py --schedule chimera --options '{"order": "merged"}'
+
+Four CPU ranks (gloo), the timed model of ``schedules.py``. Two engines of the schedule take
+turns: one traced (every op's start and end on every rank), one not (its median step is the
+figure ``schedules.py`` reports). For each traced step the script replays the lowered program
+on that step's own op durations (``compute_timing(durations=...)``) and prints, as ratios over
+ideal = N * (F + I + W) with the nominal costs:
+
+1. the schedule's own makespan at nominal costs (its bubble);
+2. the same with the layers' costs calibrated single-process (``schedules.calibrate``);
+3. the replay on the ops' in-step durations, without messages: what the ops themselves cost in
+   the step (slower than calibrated: cold caches after waits, 4 ranks on 2 cores), and the
+   critical path's share of the slow ones (jitter);
+4. the same replay with the latency to a waiting rank (``schedules.p2p_waiting_latency``);
+5. the last op's end (slowest rank): what the replay leaves unexplained is the runtime's
+   per-message host time and the wake-ups between ops;
+6. the untraced engine's median step: adds the end of the step (gradient syncs, optimizer
+   step, the loss all-reduce).
+
+Medians over the traced steps. A diagnosis, not a ranking: ``schedules.py`` compares runtimes.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from ranks import launch, save_rows  # noqa: E402
+from schedules import COST_S, LAYERS, calibrate, ds_config, init_timed_model, median_steps_in_turn, \
+    p2p_waiting_latency, random_batches  # noqa: E402
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+
+    import deepspeed
+    import ds_chimera  # noqa: F401  (the "pipeline" config key)
+    from deepspeed.pipe import PipelineModule
+
+    from ds_chimera.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
+    from ds_chimera.schedules.timing import compute_timing
+    from ds_chimera.sim import Costs, simulate
+    from timed_model import WIDTH, TimedLayer
+
+    rank, world, layer_s, specs = init_timed_model()
+    n, options = args.micro_batches, json.loads(args.options)
+    ideal = n * 3 * COST_S
+    trace_dir = tempfile.mkdtemp(prefix="ds_chimera_breakdown_") if rank == 0 else None
+    box = [trace_dir]
+    dist.broadcast_object_list(box, 0)
+    engines, records = [], []
+    for traced in (True, False):
+        net = PipelineModule(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+        config = ds_config(n, (args.schedule, options), box[0] if traced else None)
+        engine, _, _, _ = deepspeed.initialize(model=net, config=config,
+                                               optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
+        engines.append(engine)
+    batch = random_batches(torch, WIDTH, n)
+
+    def traced_step():
+        engines[0].train_batch(iter(batch))
+        records.append(list(engines[0].executor.records))
+
+    def plain_step():
+        engines[1].train_batch(iter(batch))
+
+    f_s, i_s, w_s = calibrate(torch, TimedLayer, layer_s, LAYERS // world, WIDTH)
+    waiting = p2p_waiting_latency(dist, torch, rank, idle_s=layer_s)
+    medians = median_steps_in_turn(dist, [traced_step, plain_step], args.repeats)
+    records = records[1:]                                   # the warm-up round's step is not timed
+    gathered = [None] * world
+    dist.all_gather_object(gathered, records)
+    program, placement, orders = engines[0].plan.program, engines[0].placement, engines[0].schedule.orders
+    nominal = simulate(program, Costs(fwd=COST_S, bwd=2 * COST_S, wgrad=COST_S)).makespan
+    calibrated = simulate(program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s)).makespan
+    # one rank's share; a chunk pays it x its size
+    calibrated_op = {FORWARD: f_s, BACKWARD: i_s + w_s, INPUT_GRAD: i_s, WEIGHT_GRAD: w_s}
+    rows = []
+    for step in range(len(records)):
+        durations, last_end = {}, 0.0
+        for per_rank in gathered:
+            for _, kind, chunk, mb, start, end in per_rank[step]:
+                durations[(kind, chunk, mb)] = end - start
+                last_end = max(last_end, end)
+        replay = compute_timing(placement, orders, Costs(), durations=durations)[0]
+        replay_comm = compute_timing(placement, orders, Costs(comm=waiting), durations=durations)[0]
+        row = {"replay": replay, "replay_comm": replay_comm, "last_op_end": last_end}
+        for kind in calibrated_op:
+            took = [d for (k, _, _), d in durations.items() if k == kind]
+            if took:
+                row[f"{kind}_vs_calibrated"] = statistics.mean(took) / (calibrated_op[kind] * placement.size)
+        rows.append(row)
+    med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+    per_kind = ", ".join(f"{kind} {med[f'{kind}_vs_calibrated']:.3f}" for kind in calibrated_op
+                         if f"{kind}_vs_calibrated" in med)
+    result = {"schedule": args.schedule, "options": options, "N": n, "nominal": nominal / ideal,
+              "calibrated": calibrated / ideal, **{k: v for k, v in med.items() if k.endswith("_vs_calibrated")},
+              "replay": med["replay"] / ideal, "replay_comm": med["replay_comm"] / ideal,
+              "last_op_end": med["last_op_end"] / ideal, "step_traced": medians[0] / ideal,
+              "step": medians[1] / ideal, "waiting_latency_s": waiting, "layer_costs_s": [f_s, i_s, w_s]}
+    if rank == 0:
+        label = args.schedule + (" " + json.dumps(options) if options else "")
+        print(f"  breakdown {label}, N={n}, 4 ranks; ratios over ideal = N x 3 x {COST_S * 1e3:.0f} ms "
+              f"(medians of {len(rows)} traced steps)", flush=True)
+        lines = [
+            ("the schedule at nominal costs (its bubble)", result["nominal"]),
+            (f"+ calibrated layer costs (F {f_s * 1e3:.2f}, I {i_s * 1e3:.2f}, W {w_s * 1e3:.2f} ms)",
+             result["calibrated"]),
+            (f"replayed on the ops' in-step durations (x calibrated: {per_kind})",
+             result["replay"]),
+            (f"+ {waiting * 1e3:.2f} ms latency to a waiting rank per message", result["replay_comm"]),
+            ("the last op's end, measured (slowest rank)", result["last_op_end"]),
+            ("the step, untraced engine (median)", result["step"]),
+        ]
+        for text, value in lines:
+            print(f"  breakdown   {value:6.3f}  {text}", flush=True)
+    save_rows(dist, [result], args.out)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schedule", default="chimera")
+    parser.add_argument("--options", default='{"order": "zero-bubble", "pipelines": 2}',
+                        help="the schedule's options as JSON (default: %(default)s; '{}' for none)")
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "step_breakdown.json"))
+    args = parser.parse_args()
+    try:
+        options = json.loads(args.options)
+    except json.JSONDecodeError as exc:
+        parser.error(f"--options must be a JSON object, got {args.options!r}: {exc}")
+    if not isinstance(options, dict):
+        parser.error(f"--options must be a JSON object, got {args.options!r}")
+    if args.worker:
+        return worker(args)
+    from ds_chimera.schedules import build
+    build(args.schedule, 4, args.micro_batches, **options)        # bad names and options fail here, before launching
+    rows = launch(__file__, ["--schedule", args.schedule, "--options", args.options, "--micro-batches",
+                             args.micro_batches, "--repeats", args.repeats], args.out, ("  breakdown",))
+    if rows is None:
+        return 1
+    print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main() or 0)
