@@ -32,8 +32,8 @@ class Chimera(Schedule):
       the bidirectional placement list-scheduled like ZB-V, with 1F1B's peak of D
       micro-batches in flight per rank. A rank starts once the nearest pipeline's first
       forwards reach it, so at F = I = W and N >= 2D the makespan is 3N + (D-1)//2 units
-      with f = 1 (ZB-V: 3N + (D-1)/2; 1F1B: 3N + 3(D-1)), and 3N at D = 4, f = 2, where
-      every rank starts a pipeline (at twice the weights of f = 1);
+      with f = 1 (ZB-V: 3N + (D-1)/2; 1F1B: 3N + 3(D-1)), and 3N with f = D/2, where
+      every rank heads a pipeline (at D stage copies of weights per rank);
     * ``auto``: simulate the three fused-backward orders under ``costs`` (default F=1,
       B=2) and keep the fastest. ``zero-bubble`` is chosen by name: it runs twice as
       many backward ops, and holds each activation until its W.
