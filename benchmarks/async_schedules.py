@@ -23,7 +23,6 @@ the prediction's cost is in the numbers. The last line is a JSON object with eve
 """
 import argparse
 import itertools
-import json
 import os
 import shutil
 import sys
@@ -31,7 +30,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from ranks import launch, save_rows  # noqa: E402
+from ranks import launch, report, save_rows  # noqa: E402
 from schedules import (COST_S, LAYERS, calibrate, ds_config, init_timed_model, median_step,  # noqa: E402
                        p2p_latency, random_batches)
 
@@ -147,11 +146,7 @@ def main():
           flush=True)
     worker_args = ["--repeats", args.repeats, "--micro-batches", *args.micro_batches] + \
         (["--only", *args.only] if args.only else [])
-    rows = launch(__file__, worker_args, args.out, ("  ds_chimera", "  deepspeed"))
-    if rows is None:
-        return 1
-    print(json.dumps(rows))
-    return 0
+    return report(launch(__file__, worker_args, args.out, ("  ds_chimera", "  deepspeed")))
 
 
 if __name__ == "__main__":

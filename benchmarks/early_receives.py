@@ -10,13 +10,12 @@ This script runs each schedule on one engine and alternates steps with the looka
 state. Four CPU ranks, the timed model of ``schedules.py``. The last line is JSON.
 """
 import argparse
-import json
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from ranks import launch, save_rows  # noqa: E402
+from ranks import launch, report, save_rows  # noqa: E402
 SCHEDULES = [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {}), ("zbv", {})]
 
 
@@ -70,12 +69,8 @@ def main():
     if args.worker:
         return worker(args)
     print("4 ranks, timed model; steps alternate between receives posted early and when needed", flush=True)
-    rows = launch(__file__, ["--micro-batches", args.micro_batches, "--repeats", args.repeats], args.out,
-                  lambda line: line.startswith("  ") and "x ideal" in line)
-    if rows is None:
-        return 1
-    print(json.dumps(rows))
-    return 0
+    return report(launch(__file__, ["--micro-batches", args.micro_batches, "--repeats", args.repeats], args.out,
+                         lambda line: line.startswith("  ") and "x ideal" in line))
 
 
 if __name__ == "__main__":

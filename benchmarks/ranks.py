@@ -34,6 +34,17 @@ def launch(script: str, worker_args: list, out: str, keep, nproc: int = 4):
         return json.load(fh)
 
 
+def report(rows, summarise=None) -> int:
+    """Launcher side: the exit code for ``rows`` (None when the workers failed). Prints the
+    optional ``summarise(rows)``, then the rows as one JSON line (the scripts' last line)."""
+    if rows is None:
+        return 1
+    if summarise is not None:
+        summarise(rows)
+    print(json.dumps(rows))
+    return 0
+
+
 def save_rows(dist, rows: list, out: str) -> None:
     """Worker side: rank 0 writes ``rows`` to ``out`` (whole or not at all), then every rank
     leaves the process group."""

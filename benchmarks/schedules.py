@@ -19,7 +19,6 @@ a burst of load on the shared host hits them alike.
 The last line is a JSON object with every row.
 """
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from ranks import launch, save_rows  # noqa: E402
+from ranks import launch, report, save_rows  # noqa: E402
 COST_S = 0.020
 LAYERS = 8
 MICRO = 1
@@ -459,13 +458,8 @@ def main():
           flush=True)
     worker_args = ["--repeats", args.repeats, "--micro-batches", *args.micro_batches] + \
         (["--only", *args.only] if args.only else [])
-    rows = launch(__file__, worker_args, args.out,
-                  ("  ds_chimera", "  megatron", "  deepspeed", "  torch", "  measured", "  timing"))
-    if rows is None:
-        return 1
-    summarise(rows)
-    print(json.dumps(rows))
-    return 0
+    return report(launch(__file__, worker_args, args.out,
+                         ("  ds_chimera", "  megatron", "  deepspeed", "  torch", "  measured", "  timing")), summarise)
 
 
 def summarise(rows):

@@ -32,7 +32,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from ranks import launch, save_rows  # noqa: E402
+from ranks import launch, report, save_rows  # noqa: E402
 from schedules import COST_S, LAYERS, calibrate, ds_config, init_timed_model, median_steps_in_turn, \
     p2p_waiting_latency, random_batches  # noqa: E402
 
@@ -144,13 +144,12 @@ def main():
     if args.worker:
         return worker(args)
     from ds_chimera.schedules import build
-    build(args.schedule, 4, args.micro_batches, **options)        # bad names and options fail here, before launching
-    rows = launch(__file__, ["--schedule", args.schedule, "--options", args.options, "--micro-batches",
-                             args.micro_batches, "--repeats", args.repeats], args.out, ("  breakdown",))
-    if rows is None:
-        return 1
-    print(json.dumps(rows))
-    return 0
+    try:
+        build(args.schedule, 4, args.micro_batches, **options)    # bad names and options fail here, before launching
+    except ValueError as exc:
+        parser.error(str(exc))
+    return report(launch(__file__, ["--schedule", args.schedule, "--options", args.options, "--micro-batches",
+                                    args.micro_batches, "--repeats", args.repeats], args.out, ("  breakdown",)))
 
 
 if __name__ == "__main__":

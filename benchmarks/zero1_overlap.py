@@ -18,13 +18,12 @@ It prints median step time / ideal for each row and the ratios between them. The
 is JSON.
 """
 import argparse
-import json
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from ranks import launch, save_rows  # noqa: E402
+from ranks import launch, report, save_rows  # noqa: E402
 COST_S, LAYERS, MICRO = 0.020, 8, 1
 
 
@@ -99,13 +98,13 @@ def main():
           f"per layer ({args.payload * 4 * LAYERS // 2 / 2 ** 20:.0f} MiB of gradients per rank)", flush=True)
     rows = launch(__file__, ["--payload", args.payload, "--micro-batches", args.micro_batches, "--repeats", args.repeats],
                   args.out, lambda line: line.startswith("  ") and "x ideal" in line)
-    if rows is None:
-        return 1
+    return report(rows, summarise)
+
+
+def summarise(rows):
     by = {r["row"]: r["step_s"] for r in rows}
     print(f"end / per-chunk step time (ZeRO-1): {by['ZeRO-1, reduce at the end'] / by['ZeRO-1, reduce per chunk']:.3f}; "
           f"ZeRO-1 per-chunk / ZeRO-0: {by['ZeRO-1, reduce per chunk'] / by['ZeRO-0, async all-reduce per stage']:.3f}")
-    print(json.dumps(rows))
-    return 0
 
 
 if __name__ == "__main__":
