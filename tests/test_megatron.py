@@ -71,6 +71,11 @@ def test_placements_and_loss_dicts_follow_the_schedule(contract_results):
         if case["holds_loss"]:
             assert case["loss_diff"] <= 1e-6 and case["eval_diff"] <= 1e-6
     assert sum(c["holds_loss"] for c in zero_bubble) == 2
+    # two pipelines each way: all four ranks hold a loss stage and swap results with the three others
+    four = [next(c for c in results if c.get("options") == {"order": "zero-bubble", "pipelines": 2})
+            for results in contract_results]
+    assert all(c["holds_loss"] and c["losses"] == 8 and c["eval_losses"] == 8 for c in four)
+    assert all(c["loss_diff"] <= 1e-6 and c["eval_diff"] <= 1e-6 for c in four)
 
 
 def test_unsplittable_setups_are_refused_on_every_rank(contract_results):

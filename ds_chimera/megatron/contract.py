@@ -489,9 +489,11 @@ class ScheduleRunner:
         """Post the swap of per-micro-batch results between the loss ranks; return a function that
         finishes it and gives them in order (on every rank that holds a loss stage, else []).
 
-        Chimera computes losses on two ranks. Only those ranks need each other's results, so
-        they swap them directly (a size, then the pickled results), and the swap overlaps the
-        gradient syncs instead of holding every rank in an object all-gather after the step.
+        Chimera computes losses on two ranks (2f with f pipelines each way). Only those ranks
+        need each other's results, so they swap them directly: sizes now, overlapping the
+        gradient syncs, then the pickled results. It replaces an object all-gather that held
+        every rank after the step. In each pair the lower rank sends first and the higher
+        receives first, so stream-ordered (NCCL) sends and receives cannot wait on each other.
         """
         loss_ranks = sorted({placement.rank_of(c.index) for c in placement.chunks
                              if placement.next_chunk(c.index) is None})
@@ -504,27 +506,31 @@ class ScheduleRunner:
         payload = torch.frombuffer(bytearray(pickle.dumps(_to_device(step.reduced, torch.device("cpu")))),
                                    dtype=torch.uint8).to(on)
         size = torch.tensor([payload.numel()], dtype=torch.int64, device=on)
-        peers = {r: (r if group is dist.group.WORLD or group is None else dist.get_global_rank(group, r))
+        peers = {r: (r if group is None or group is dist.group.WORLD else dist.get_global_rank(group, r))
                  for r in loss_ranks if r != self.rank}
-        sends, sizes = [], {}
-        for r, peer in peers.items():
-            sends.append(post_or_fail(lambda: dist.isend(size, peer, group=group, tag=self.LOSS_TAG), "a loss send"))
-            sends.append(post_or_fail(lambda: dist.isend(payload, peer, group=group, tag=self.LOSS_TAG + 1),
-                                      "a loss send"))
-            sizes[r] = torch.zeros(1, dtype=torch.int64, device=on)
-        size_works = {r: post_or_fail(lambda r=r, peer=peer: dist.irecv(sizes[r], peer, group=group, tag=self.LOSS_TAG),
-                                      "a loss receive") for r, peer in peers.items()}
+
+        def swap(out, inbox: dict, tag: int) -> list:
+            """Post, for every peer, the send of ``out`` and the receive into ``inbox[peer]``."""
+            works = []
+            for r, peer in peers.items():
+                send = lambda: dist.isend(out, peer, group=group, tag=tag)           # noqa: E731
+                recv = lambda: dist.irecv(inbox[r], peer, group=group, tag=tag)      # noqa: E731
+                for post in ((send, recv) if self.rank < r else (recv, send)):
+                    works.append(post_or_fail(post, f"the loss results' swap with pipeline rank {r}"))
+            return works
+
+        sizes = {r: torch.zeros(1, dtype=torch.int64, device=on) for r in peers}
+        size_works = swap(size, sizes, self.LOSS_TAG)
 
         def finish() -> list:
+            for work in size_works:
+                wait_or_fail(work, self.timeout_s, "the loss results' sizes from the other loss ranks")
+            data = {r: torch.empty(int(sizes[r].item()), dtype=torch.uint8, device=on) for r in peers}
+            for work in swap(payload, data, self.LOSS_TAG + 1):
+                wait_or_fail(work, self.timeout_s, "the loss results of the other loss ranks")
             merged = dict(step.reduced)
-            for r, peer in peers.items():
-                what = f"the loss results of pipeline rank {r}"
-                wait_or_fail(size_works[r], self.timeout_s, what)
-                data = torch.empty(int(sizes[r].item()), dtype=torch.uint8, device=on)
-                wait_or_fail(lambda: dist.irecv(data, peer, group=group, tag=self.LOSS_TAG + 1), self.timeout_s, what)
-                merged.update(pickle.loads(data.cpu().numpy().tobytes()))
-            for work in sends:
-                wait_or_fail(work, self.timeout_s, "a loss send")
+            for r in peers:
+                merged.update(pickle.loads(data[r].cpu().numpy().tobytes()))
             return [_to_device(merged[mb], device) for mb in sorted(merged)]
         return finish
 

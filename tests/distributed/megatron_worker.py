@@ -23,6 +23,7 @@ CASES = [  # (schedule, options, pipeline size, loss form)
     ("gpipe", {}, 4, 2), ("1f1b", {}, 4, 3), ("interleaved", {"chunks": 2}, 4, 2),
     ("breadth-first", {"chunks": 2}, 4, 3), ("chimera", {}, 4, 3), ("zb-h1", {}, 4, 2),
     ("zbv", {}, 4, 3), ("dualpipev", {}, 4, 2), ("chimera", {"order": "zero-bubble"}, 4, 2),
+    ("chimera", {"order": "zero-bubble", "pipelines": 2}, 4, 3),      # a loss stage on every rank
     ("chimera", {}, 2, 2), ("interleaved", {"chunks": 2}, 2, 3),     # 2 x 2 pipe x data
     # gradients kept in main_grad by an accumulation hook, as Megatron's DDP does
     ("zb-h1", {}, 4, 2, "main_grad"), ("chimera", {}, 4, 3, "main_grad"),
