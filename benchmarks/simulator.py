@@ -16,7 +16,7 @@ from ds_chimera.sim import Costs, simulate
 SIZES = [(4, 32), (16, 128), (32, 512), (64, 1024)]
 SCHEDULES = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"chunks": 2}), ("breadth-first", {"chunks": 2}),
              ("chimera", {"order": "concat"}), ("chimera", {"order": "merged"}), ("chimera", {}),
-             ("zb-h1", {}), ("zbv", {}), ("dualpipev", {})]
+             ("chimera", {"order": "zero-bubble"}), ("zb-h1", {}), ("zbv", {}), ("dualpipev", {})]
 
 
 def measure(name, options, d, n, costs):

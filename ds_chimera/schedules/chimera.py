@@ -114,7 +114,8 @@ class Chimera(Schedule):
     def build_orders(self):
         d, pipes = self.stages, 2 * self.pipelines
         if self.order == "zero-bubble":
-            return fastest_list_schedule(self.placement, [float(d)] * d, f"{self.name} order=zero-bubble")
+            return fastest_list_schedule(self.placement, [float(d)] * d, f"{self.name} order=zero-bubble",
+                                         late_chunk_first=(True, False))
         slots, slot_pipe = self.slots(), self.slot_pipelines()
         if self.order == "merged":
             units = [list(range(len(slots)))]

@@ -49,7 +49,7 @@ class ZBV(Schedule):
     The order comes from greedy list scheduling on unit slots (F = I = W): a ready I
     (or, in the second variant, a ready F) first, then the other, with forwards kept
     within D stages of in-flight activations, then a deferred W when it ends before known
-    critical work. The greedy variants are simulated and the fastest kept. Close to zero bubble
+    critical work. Both variants are simulated and the faster kept. Close to zero bubble
     for N >= 2D.
     """
 
