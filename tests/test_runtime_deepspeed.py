@@ -20,9 +20,10 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved", "breadth-first", "chimera", "chimer
              "chimera-concat", "chimera-zb", "zb-h1", "zbv", "dualpipev"]
 EQUIV = [f"equiv-{topo}-{s}" for topo in ("4x1", "2x2") for s in SCHEDULES] + ["equiv-4x1-chimera-zb-f2"]
 OTHER = ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv", "actckpt-4x1-chimera", "actckpt-4x1-zb-h1",
+         "actckpt-4x1-chimera-zb",
          "actckpt-4x1-interleaved", "ckpt-resume-chimera", "ckpt-resume-2x2-zbv", "ckpt-cross-chimera-to-1f1b",
          "ckpt-cross-chimera-to-stock", "ckpt-cross-zbv-to-interleaved", "stock-clipping", "bf16-4x1-chimera",
-         "bf16-2x2-zbv", "bf16-4x1-stock", "bf16-4x1-1f1b-noclip", "zero1-2x2-breadth-first", "zero1-2x2-zbv",
+         "bf16-4x1-chimera-zb", "bf16-2x2-zbv", "bf16-4x1-stock", "bf16-4x1-1f1b-noclip", "zero1-2x2-breadth-first", "zero1-2x2-zbv",
          "zero1-2x2-zbv-tied", "zero1-2x2-breadth-first-end", "lm-chimera", "lm-zbv", "trace-chimera", "trace-zbv", "bad-zero1-chimera", "bad-zero1-tied", "bad-zero2", "bad-zero1-reduce",
          "bad-fp16", "bad-load-other-schedule", "bad-batch-split", "bad-unknown",
          "bad-pipelines", "bad-interleaved-n", "bad-option", "bad-async-tied", "bad-async-actckpt", "bad-async-bf16",
@@ -86,7 +87,7 @@ def test_chimera_holds_two_replicas_per_stage(results):
 @pytest.mark.parametrize("scenario,forwards", [
     ("actckpt-4x1-chimera", 2.0), ("actckpt-4x1-interleaved", 2.0),
     # a split backward too: I recomputes each block once, W reuses it (no walk of the I chain)
-    ("actckpt-4x1-zb-h1", 2.0)])
+    ("actckpt-4x1-zb-h1", 2.0), ("actckpt-4x1-chimera-zb", 2.0)])
 def test_activation_checkpointing(results, scenario, forwards):
     r = results[scenario]
     assert r["max_param_diff"] <= 1e-5 and r["max_loss_diff"] <= 1e-5
@@ -133,7 +134,7 @@ def test_bad_config_fails_at_initialize(results, scenario, message):
     assert message in (results[scenario]["error"] or "")
 
 
-@pytest.mark.parametrize("scenario", ["bf16-4x1-chimera", "bf16-2x2-zbv", "bf16-4x1-1f1b-noclip"])
+@pytest.mark.parametrize("scenario", ["bf16-4x1-chimera", "bf16-4x1-chimera-zb", "bf16-2x2-zbv", "bf16-4x1-1f1b-noclip"])
 def test_bf16_with_deepspeeds_bf16_optimizer(results, scenario):
     """bf16 weights, fp32 master weights and grads: as close to fp32 training as DeepSpeed's own bf16."""
     r, stock = results[scenario], results["bf16-4x1-stock"]
