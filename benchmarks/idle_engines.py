@@ -1,0 +1,90 @@
+"""Does an engine step slower when other, idle engines live in the same processes?
+
+    python benchmarks/idle_engines.py                       # 25 idle engines, 2 pairs
+    python benchmarks/idle_engines.py --idle 12 --pairs 3
+
+``schedules.py`` builds every row of an N first and steps them in turn, so each step runs
+beside 25 engines that are not stepping (each with its own gloo process groups and their
+threads). This times one schedule (chimera zero-bubble, f = 2, N = 8, the timed model) in
+fresh 4-rank launches, alternately without and with ``--idle`` extra engines built and never
+stepped, and prints the median step over ideal for each launch, and the native threads per
+process.
+"""
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from ranks import launch, report, save_rows  # noqa: E402
+from schedules import COST_S, OURS, ds_config, init_timed_model, median_steps_in_turn, random_batches  # noqa: E402
+
+SCHEDULE = ("chimera", {"order": "zero-bubble", "pipelines": 2})
+N = 8
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+
+    import deepspeed
+    import ds_chimera  # noqa: F401  (the "pipeline" config key)
+    from deepspeed.pipe import PipelineModule
+
+    from timed_model import WIDTH
+
+    rank, world, _, specs = init_timed_model()
+
+    def engine(name, options):
+        net = PipelineModule(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+        built, _, _, _ = deepspeed.initialize(model=net, config=ds_config(N, (name, options)),
+                                              optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
+        return built
+
+    active = engine(*SCHEDULE)
+    idle = [engine(*OURS[i % len(OURS)]) for i in range(args.idle)]       # built, never stepped
+    batch = random_batches(torch, WIDTH, N)
+    step = median_steps_in_turn(dist, [lambda: active.train_batch(iter(batch))], args.repeats)[0]
+    with open("/proc/self/status") as fh:
+        threads = int(next(line for line in fh if line.startswith("Threads")).split()[1])
+    row = {"idle_engines": len(idle), "vs_ideal": step / (N * 3 * COST_S), "threads": threads}
+    if rank == 0:
+        print(f"  idle {len(idle):>3} engines, {threads:>4} threads per process: "
+              f"{row['vs_ideal']:.3f} x ideal", flush=True)
+    save_rows(dist, [row], args.out)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--idle", type=int, default=25, help="idle engines in the 'with' launches (default 25)")
+    parser.add_argument("--pairs", type=int, default=2, help="without/with launch pairs (default 2)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--out", default=os.path.join(HERE, "idle_engines_results.json"))
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.idle < 1 or args.pairs < 1:
+        parser.error(f"--idle and --pairs must be >= 1, got {args.idle} and {args.pairs}")
+    print(f"4 ranks, {SCHEDULE[0]} {json.dumps(SCHEDULE[1])}, N = {N}; launches alternate without and with "
+          f"{args.idle} idle engines", flush=True)
+    rows = []
+    for _ in range(args.pairs):
+        for idle in (0, args.idle):
+            got = launch(__file__, ["--idle", idle, "--repeats", args.repeats], args.out, ("  idle",))
+            if got is None:
+                return report(None)
+            rows += got
+    return report(rows, summarise)
+
+
+def summarise(rows):
+    without = [r["vs_ideal"] for r in rows if r["idle_engines"] == 0]
+    with_idle = [r["vs_ideal"] for r in rows if r["idle_engines"] > 0]
+    print(f"without idle engines {min(without):.3f}-{max(without):.3f} x ideal; with "
+          f"{min(with_idle):.3f}-{max(with_idle):.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main() or 0)
