@@ -101,6 +101,7 @@ def worker(args):
 
     for n in args.micro_batches:
         ideal = n * 3 * COST_S
+        groups_before = process_groups()      # this N's engines' groups are released after its rows
         entries = []       # (runtime, schedule label, step, lowered program or None): every row of this N
         for name, options in OURS:
             if not wanted(args, label(name, options)) or (name == "dualpipev" and n < 2 * world) or \
@@ -162,7 +163,31 @@ def worker(args):
                       f"  (simulated: nominal {sim0 / ideal:5.3f}, calibrated {sim / ideal:5.3f}, full "
                       f"{sim_full / ideal:5.3f}; measured/calibrated {median / sim:5.3f}, "
                       f"/ full {median / sim_full:5.3f})", flush=True)
+        entries = engine = step = net = program = None
+        release_groups(dist, groups_before)
     save_rows(dist, rows, args.out)
+
+
+def process_groups() -> set:
+    """The process groups that exist now (torch's registry of them)."""
+    from torch.distributed import distributed_c10d as c10d
+    return set(c10d._world.pg_map)
+
+
+def release_groups(dist, keep: set) -> None:
+    """Destroy every process group created since ``keep`` was taken, on every rank in one order.
+
+    An engine that lives on, even idle, slows the others' steps: its gloo groups keep their
+    threads (``idle_engines.py`` measured 1-5% beside 25 idle engines). Each N's rows are
+    released before the next N's are built, so they do not pile up across N.
+    """
+    import gc
+
+    from torch.distributed import distributed_c10d as c10d
+    gc.collect()
+    for group in [g for g in c10d._world.pg_map if g not in keep and g is not c10d.GroupMember.WORLD]:
+        dist.destroy_process_group(group)
+    gc.collect()
 
 
 def random_batches(torch, width: int, n: int) -> list:
