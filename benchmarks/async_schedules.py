@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from ranks import launch, report, save_rows  # noqa: E402
 from schedules import (COST_S, LAYERS, calibrate, ds_config, init_timed_model, median_step,  # noqa: E402
-                       p2p_latency, random_batches)
+                       p2p_latency, random_batches, timed_engine)
 
 OURS = [("pipeoptim", {"fill": "continuous"}), ("pipedream", {"fill": "continuous"}),
         ("pipeoptim", {}), ("spectrain", {}), ("pipedream", {}), ("pipedream-2bw", {}), ("1f1b", {})]
@@ -42,9 +42,7 @@ def worker(args):
     import torch
     import torch.distributed as dist
 
-    import deepspeed
     import ds_chimera  # noqa: F401
-    from deepspeed.pipe import PipelineModule
     from ds_chimera.sim import Costs, simulate
     from timed_model import WIDTH, TimedLayer
 
@@ -70,10 +68,7 @@ def worker(args):
             if args.only and name + (" fill=continuous" if options.get("fill") else "") not in args.only:
                 continue
             trace_dir = os.path.join(trace_root[0], f"{name}-{n}-{len(rows)}")
-            net = PipelineModule(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(),
-                                 partition_method="uniform")
-            engine, _, _, _ = deepspeed.initialize(model=net, config=ds_config(n, (name, options), trace_dir),
-                                                   optimizer=adamw)
+            engine = timed_engine(specs, ds_config(n, (name, options), trace_dir), optimizer=adamw)
             batch = data(n)
             continuous = options.get("fill") == "continuous"
             if continuous:        # the pipeline stays full: calls read on from one endless stream
@@ -115,8 +110,7 @@ def worker(args):
                       f"(simulated {row['sim_vs_ideal']:5.3f}; measured/sim {row['measured_vs_sim']:5.3f}); "
                       f"steady state {row['steady_vs_ideal'] or float('nan'):5.3f} x ideal", flush=True)
         for stock_n in sorted({8, n}):
-            net = PipelineModule(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
-            engine, _, _, _ = deepspeed.initialize(model=net, config=ds_config(stock_n), optimizer=adamw)
+            engine = timed_engine(specs, ds_config(stock_n), optimizer=adamw)
             batch = data(stock_n)
             median = timed(lambda: engine.train_batch(iter(batch)), args.repeats)
             rows.append({"runtime": "deepspeed", "schedule": "TrainSchedule (1F1B)", "N": stock_n, "call_s": median,

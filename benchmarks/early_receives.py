@@ -23,22 +23,18 @@ def worker(args):
     import torch
     import torch.distributed as dist
 
-    import deepspeed
     import ds_chimera  # noqa: F401
-    from deepspeed.pipe import PipelineModule
 
     sys.path.insert(0, HERE)
-    from schedules import COST_S, ds_config, init_timed_model, label, median_steps_in_turn, random_batches
+    from schedules import COST_S, ds_config, init_timed_model, label, median_steps_in_turn, random_batches, timed_engine
     from timed_model import WIDTH
 
-    rank, world, _, specs = init_timed_model()
+    rank, _, _, specs = init_timed_model()
     n = args.micro_batches
     ideal = n * 3 * COST_S
     rows = []
     for name, options in SCHEDULES:
-        net = PipelineModule(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
-        engine, _, _, _ = deepspeed.initialize(model=net, config=ds_config(n, (name, options)),
-                                               optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
+        engine = timed_engine(specs, ds_config(n, (name, options)))
         batch = random_batches(torch, WIDTH, n)
 
         def step_with(lookahead, engine=engine, batch=batch):

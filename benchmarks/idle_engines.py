@@ -18,7 +18,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from ranks import launch, report, save_rows  # noqa: E402
-from schedules import COST_S, OURS, ds_config, init_timed_model, median_steps_in_turn, random_batches  # noqa: E402
+from schedules import COST_S, OURS, ds_config, init_timed_model, median_steps_in_turn, random_batches, \
+    timed_engine  # noqa: E402
 
 SCHEDULE = ("chimera", {"order": "zero-bubble", "pipelines": 2})
 N = 8
@@ -28,22 +29,14 @@ def worker(args):
     import torch
     import torch.distributed as dist
 
-    import deepspeed
     import ds_chimera  # noqa: F401  (the "pipeline" config key)
-    from deepspeed.pipe import PipelineModule
 
     from timed_model import WIDTH
 
-    rank, world, _, specs = init_timed_model()
+    rank, _, _, specs = init_timed_model()
 
-    def engine(name, options):
-        net = PipelineModule(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
-        built, _, _, _ = deepspeed.initialize(model=net, config=ds_config(N, (name, options)),
-                                              optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
-        return built
-
-    active = engine(*SCHEDULE)
-    idle = [engine(*OURS[i % len(OURS)]) for i in range(args.idle)]       # built, never stepped
+    active = timed_engine(specs, ds_config(N, SCHEDULE))
+    idle = [timed_engine(specs, ds_config(N, OURS[i % len(OURS)])) for i in range(args.idle)]   # never stepped
     batch = random_batches(torch, WIDTH, N)
     step = median_steps_in_turn(dist, [lambda: active.train_batch(iter(batch))], args.repeats)[0]
     with open("/proc/self/status") as fh:

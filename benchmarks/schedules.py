@@ -56,9 +56,7 @@ def worker(args):
     import torch
     import torch.distributed as dist
 
-    import deepspeed
     import ds_chimera  # noqa: F401
-    from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
     from ds_chimera.sim import Costs, simulate
@@ -86,11 +84,8 @@ def worker(args):
     def data(n):
         return random_batches(torch, WIDTH, n)
 
-    def sgd(p):
-        return torch.optim.SGD(p, lr=1e-3)
-
-    def engine_step(net, config):
-        engine, _, _, _ = deepspeed.initialize(model=net, config=config, optimizer=sgd)
+    def engine_step(config, module_cls=None):
+        engine = timed_engine(specs, config, module_cls)
         batch = data(n)
         return engine, (lambda: engine.train_batch(iter(batch)))
 
@@ -107,8 +102,7 @@ def worker(args):
             if not wanted(args, label(name, options)) or (name == "dualpipev" and n < 2 * world) or \
                     (name == "interleaved" and n % world):
                 continue
-            net = PipelineModule(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
-            engine, step = engine_step(net, ds_config(n, (name, options)))
+            engine, step = engine_step(ds_config(n, (name, options)))
             entries.append(("ds_chimera", label(name, options), step, engine.plan.program))
         for name, options in MEGATRON:
             if not wanted(args, label(name, options)) or (args.only and "megatron" not in args.only) or \
@@ -122,9 +116,7 @@ def worker(args):
                 continue
             try:
                 if runtime == "deepspeed":
-                    cls = DualPipeVModule if name == "DualPipeV" else PipelineModule
-                    net = cls(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
-                    _, step = engine_step(net, ds_config(n))
+                    _, step = engine_step(ds_config(n), DualPipeVModule if name == "DualPipeV" else None)
                 else:
                     step = torch_pipelining_step(name, n, specs, world, rank, data)
                 step()                   # warm-up here, so a peer that cannot run is reported, not fatal
@@ -163,7 +155,7 @@ def worker(args):
                       f"  (simulated: nominal {sim0 / ideal:5.3f}, calibrated {sim / ideal:5.3f}, full "
                       f"{sim_full / ideal:5.3f}; measured/calibrated {median / sim:5.3f}, "
                       f"/ full {median / sim_full:5.3f})", flush=True)
-        entries = engine = step = net = program = None
+        entries = engine = step = program = None
         release_groups(dist, groups_before)
     save_rows(dist, rows, args.out)
 
@@ -184,7 +176,6 @@ def release_groups(dist, keep: set) -> None:
     import gc
 
     from torch.distributed import distributed_c10d as c10d
-    gc.collect()
     for group in [g for g in c10d._world.pg_map if g not in keep and g is not c10d.GroupMember.WORLD]:
         dist.destroy_process_group(group)
     gc.collect()
@@ -235,6 +226,23 @@ def init_timed_model():
     world = dist.get_world_size()
     layer_s = COST_S * world / LAYERS
     return dist.get_rank(), world, layer_s, model_specs(LayerSpec, layer_s, LAYERS)
+
+
+def timed_engine(specs: list, config: dict, module_cls=None, optimizer=None):
+    """A DeepSpeed engine of the timed model: ``specs`` cut uniformly over every rank, MSE loss,
+    SGD (lr 1e-3) unless ``optimizer``. With ds_chimera imported, ``config``'s "pipeline" key
+    picks the schedule; without it DeepSpeed's own engine runs."""
+    import torch
+    import torch.distributed as dist
+
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    net = (module_cls or PipelineModule)(layers=specs, num_stages=dist.get_world_size(), loss_fn=torch.nn.MSELoss(),
+                                         partition_method="uniform")
+    engine, _, _, _ = deepspeed.initialize(model=net, config=config,
+                                           optimizer=optimizer or (lambda p: torch.optim.SGD(p, lr=1e-3)))
+    return engine
 
 
 def ds_config(n: int, schedule=None, trace_dir=None) -> dict:

@@ -34,16 +34,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from ranks import launch, report, save_rows  # noqa: E402
 from schedules import COST_S, LAYERS, calibrate, ds_config, init_timed_model, median_steps_in_turn, \
-    p2p_waiting_latency, random_batches  # noqa: E402
+    p2p_waiting_latency, random_batches, timed_engine  # noqa: E402
 
 
 def worker(args):
     import torch
     import torch.distributed as dist
 
-    import deepspeed
     import ds_chimera  # noqa: F401  (the "pipeline" config key)
-    from deepspeed.pipe import PipelineModule
 
     from ds_chimera.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
     from ds_chimera.schedules.timing import compute_timing
@@ -56,13 +54,9 @@ def worker(args):
     trace_dir = tempfile.mkdtemp(prefix="ds_chimera_breakdown_") if rank == 0 else None
     box = [trace_dir]
     dist.broadcast_object_list(box, 0)
-    engines, records = [], []
-    for traced in (True, False):
-        net = PipelineModule(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
-        config = ds_config(n, (args.schedule, options), box[0] if traced else None)
-        engine, _, _, _ = deepspeed.initialize(model=net, config=config,
-                                               optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
-        engines.append(engine)
+    records = []
+    engines = [timed_engine(specs, ds_config(n, (args.schedule, options), trace_dir))
+               for trace_dir in (box[0], None)]                 # traced, then not
     batch = random_batches(torch, WIDTH, n)
 
     def traced_step():
