@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..runtime.executor import StepExecutor, _to_device
 from ..runtime.gradsync import FlatGradAllReduce
-from ..runtime.p2p import P2P, post_or_fail, wait_or_fail
+from ..runtime.p2p import LOSS_TAG, P2P, post_or_fail, wait_or_fail
 from ..runtime.plan import DEFAULT_TIMEOUT_S, proven_programs
 from ..schedules import registry
 from .stages import make_schedule, pipeline_group
@@ -483,8 +483,6 @@ class ScheduleRunner:
                                  f"stage {stage} (pipeline rank {self.rank} holds stages {stages}); build the "
                                  f"chunks for this schedule")
 
-    LOSS_TAG = 1 << 28       # above every pipeline message tag
-
     def _start_loss_exchange(self, step, placement, group, device):
         """Post the swap of per-micro-batch results between the loss ranks; return a function that
         finishes it and gives them in order (on every rank that holds a loss stage, else []).
@@ -520,13 +518,13 @@ class ScheduleRunner:
             return works
 
         sizes = {r: torch.zeros(1, dtype=torch.int64, device=on) for r in peers}
-        size_works = swap(size, sizes, self.LOSS_TAG)
+        size_works = swap(size, sizes, LOSS_TAG)
 
         def finish() -> list:
             for work in size_works:
                 wait_or_fail(work, self.timeout_s, "the loss results' sizes from the other loss ranks")
             data = {r: torch.empty(int(sizes[r].item()), dtype=torch.uint8, device=on) for r in peers}
-            for work in swap(payload, data, self.LOSS_TAG + 1):
+            for work in swap(payload, data, LOSS_TAG + 1):
                 wait_or_fail(work, self.timeout_s, "the loss results of the other loss ranks")
             merged = dict(step.reduced)
             for r in peers:

@@ -27,6 +27,7 @@ from ..optim.bf16 import BF16MasterView
 from ..optim.predictors import predictor_for
 from ..optim.versions import WeightVersions
 from .engine import ScheduledPipelineEngine
+from .p2p import LOSS_TAG
 
 
 class AsyncPipelineEngine(ScheduledPipelineEngine):
@@ -164,8 +165,6 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
                 versions.reset()
         return self._aggregate_loss(loss_sum, self.micro_batches)
 
-    LOSS_TAG = 1 << 28       # above every pipeline message tag
-
     def _aggregate_loss(self, loss_sum, micro_batches: int):
         """The call's mean loss on every rank, without a barrier at the end of the call.
 
@@ -190,11 +189,11 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
                 self.p2p._wait(work, "a loss sent to an earlier stage")
             dp_id = self.grid.get_data_parallel_id()
             self._loss_sends = [(self.p2p.post(lambda p=p: dist.isend(value, self._global_rank_of(p, dp_id),
-                                                                      tag=self.LOSS_TAG), "the loss send"), value)
+                                                                      tag=LOSS_TAG), "the loss send"), value)
                                 for p in range(last)]
         else:
             self.p2p._wait(lambda: dist.irecv(value, self._global_rank_of(last, self.grid.get_data_parallel_id()),
-                                      tag=self.LOSS_TAG), "the loss from the last stage")
+                                      tag=LOSS_TAG), "the loss from the last stage")
         return value.squeeze(0)
 
     # ---- predictor state in checkpoints --------------------------------------------------------

@@ -26,6 +26,7 @@ MAX_DIMS = 8
 
 
 PENDING_PER_CHUNK = 4      # sends kept in flight per pipeline chunk before the oldest is waited for
+LOSS_TAG = 1 << 28         # losses sent between ranks after a step: above every pipeline message tag
 
 
 class PeerTimeout(RuntimeError):
