@@ -8,7 +8,8 @@ for the cpp backend and the pure-torch ``unfold`` and ``band`` algorithms, throu
 GPU: each Triton kernel's achieved bandwidth as a fraction of the HBM roofline (a
 device-to-device copy measured in the same run, and the nominal peak), counting bytes per
 element as: LightConv forward 2 values, backward 3; DynamicConv forward 2 + K*H/C, backward
-3 + 2*K*H/C; and its speed against the torch paths. The last line is one JSON object.
+3 + 2*K*H/C (the backward is the fused kernel that gives both gradients); and its speed
+against the torch paths. Centred padding (P = K//2), and causal padding (P = K-1) at K = 31. The last line is one JSON object.
 """
 import argparse
 import json
@@ -120,14 +121,19 @@ def gpu_part(repeats):
             ratio = kernel * heads / channels
             cases = [
                 ("lightconv fwd", lambda: tk.lightconv_forward(x, w, p), 2, lambda: lightconv_unfold(x, w, p)),
-                ("lightconv bwd", lambda: (tk.lightconv_backward_input(gy, w, p),
-                                           tk.lightconv_backward_weight(gy, x, p, heads, kernel)), 3, None),
+                ("lightconv bwd", lambda: tk.lightconv_backward(gy, x, w, p), 3, None),
                 ("dynamicconv fwd", lambda: tk.dynamicconv_forward(x, wd, p), 2 + ratio,
                  lambda: dynamicconv_unfold(x, wd, p)),
-                ("dynamicconv bwd", lambda: (tk.dynamicconv_backward_input(gy, wd, p),
-                                             tk.dynamicconv_backward_weight(gy, x, p, heads, kernel)), 3 + 2 * ratio,
-                 None),
+                ("dynamicconv bwd", lambda: tk.dynamicconv_backward(gy, x, wd, p), 3 + 2 * ratio, None),
             ]
+            if kernel == 31:
+                # the decoder's causal padding: one window before the tile, none after
+                cases += [("lightconv fwd causal", lambda: tk.lightconv_forward(x, w, kernel - 1), 2, None),
+                          ("lightconv bwd causal", lambda: tk.lightconv_backward(gy, x, w, kernel - 1), 3, None),
+                          ("dynamicconv fwd causal", lambda: tk.dynamicconv_forward(x, wd, kernel - 1), 2 + ratio,
+                           None),
+                          ("dynamicconv bwd causal", lambda: tk.dynamicconv_backward(gy, x, wd, kernel - 1),
+                           3 + 2 * ratio, None)]
             for label, fn, values, torch_fn in cases:
                 seconds = bench(fn)
                 tbs = values * n * esize / seconds / 1e12
@@ -141,7 +147,7 @@ def gpu_part(repeats):
                     except torch.OutOfMemoryError:
                         row["torch_unfold_us"] = "OOM"
                 results["rows"].append(row)
-                print(f"  {label:<16} {row['dtype']:<9} K={kernel:<3} {row['us']:9.1f} us  {tbs:6.2f} TB/s  "
+                print(f"  {label:<22} {row['dtype']:<9} K={kernel:<3} {row['us']:9.1f} us  {tbs:6.2f} TB/s  "
                       f"{row['of_copy'] * 100:5.1f}% of copy  "
                       f"{(row['of_nominal'] or 0) * 100:5.1f}% of nominal"
                       + (f"  x{row['speedup_vs_unfold']} vs torch unfold" if "speedup_vs_unfold" in row else ""),

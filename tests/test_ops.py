@@ -97,6 +97,8 @@ def test_long_sequences_and_non_contiguous_inputs(backend):
     ("lightconv_backward_weight", lambda: (torch.randn(2, 8, 9), torch.randn(2, 8, 9), 1, 2, 3)),
     ("dynamicconv_backward_input", lambda: (torch.randn(2, 8, 9), torch.randn(2, 2, 3, 9), 0)),
     ("dynamicconv_backward_weight", lambda: (torch.randn(2, 8, 9), torch.randn(2, 8, 9), 1, 2, 3)),
+    ("lightconv_backward", lambda: (torch.randn(2, 8, 9), torch.randn(2, 8, 9), torch.randn(2, 5), 3)),
+    ("dynamicconv_backward", lambda: (torch.randn(2, 8, 9), torch.randn(2, 8, 9), torch.randn(2, 2, 3, 9), 1)),
 ])
 def test_opcheck(op, args):
     result = torch.library.opcheck(getattr(torch.ops.ds_chimera, op).default, args())
@@ -207,3 +209,72 @@ def test_triton_kernels_under_the_interpreter():
     proc = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "0 failures" in proc.stdout
+
+
+WINDOW_CHECK = textwrap.dedent('''
+    import os, sys, torch
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    from ds_chimera.ops import triton_window as tw
+    from ds_chimera.ops.reference import lightconv_unfold, dynamicconv_unfold
+    failures = cases = 0
+    for dynamic in (False, True):
+        for kernel, heads, time, channels in [(1, 1, 1, 8), (3, 4, 9, 8), (4, 1, 17, 8), (7, 2, 40, 8),
+                                              (31, 2, 70, 64), (33, 1, 50, 16), (64, 2, 100, 8), (5, 1, 33, 130)]:
+            for padding_l in sorted({0, kernel // 2, kernel - 1}):
+                g = torch.Generator().manual_seed(kernel + time)
+                x = torch.randn(2, channels, time, generator=g, dtype=torch.float64)
+                shape = (2, heads, kernel, time) if dynamic else (heads, kernel)
+                w = torch.randn(*shape, generator=g, dtype=torch.float64)
+                gy = torch.randn(2, channels, time, generator=g, dtype=torch.float64)
+                xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+                ref = (dynamicconv_unfold if dynamic else lightconv_unfold)(xr, wr, padding_l)
+                ref_gx, ref_gw = torch.autograd.grad(ref, (xr, wr), gy)
+                xf, wf, gf = x.float(), w.float(), gy.float()
+                wide = 2 * tw.window_width(kernel, padding_l)
+                got = {
+                    "y": (tw.window_forward(xf, wf, padding_l, dynamic, tiles=2), ref),
+                    "y wide": (tw.window_forward(xf, wf, padding_l, dynamic, width=wide), ref),
+                }
+                gx, gw = tw.window_backward(gf, xf, wf, padding_l, heads, kernel, dynamic, tiles=2)
+                got.update({"gx": (gx, ref_gx), "gw": (gw, ref_gw)})
+                gx, gw = tw.window_backward(gf, xf, wf, padding_l, heads, kernel, dynamic, width=wide, tiles=1)
+                got.update({"gx wide": (gx, ref_gx), "gw wide": (gw, ref_gw)})
+                got["gx only"] = (tw.window_backward(gf, None, wf, padding_l, heads, kernel, dynamic,
+                                                     need_weight=False)[0], ref_gx)
+                got["gw only"] = (tw.window_backward(gf, xf, None, padding_l, heads, kernel, dynamic,
+                                                     need_input=False)[1], ref_gw)
+                for name, (a, b) in got.items():
+                    cases += 1
+                    err = (a.double() - b).abs().max().item() / max(1.0, b.abs().max().item())
+                    if a.shape != b.shape or err > 1e-5:
+                        failures += 1
+                        print("MISMATCH", name, dynamic, kernel, heads, time, channels, padding_l, err)
+    print(f"window kernels: {cases} checks, {failures} failures")
+    sys.exit(1 if failures else 0)
+''')
+
+
+def test_window_kernels_under_the_interpreter():
+    """Forward, fused backward and the single-gradient variants, tile widths from the smallest
+    to twice it, one and several tiles per program, every padding reach (fp32: the interpreter's
+    16-bit dot is wrong)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
+    proc = subprocess.run([sys.executable, "-c", WINDOW_CHECK], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " 0 failures" in proc.stdout
+
+
+@pytest.mark.parametrize("op", ["lightconv_forward", "dynamicconv_forward", "lightconv_backward",
+                                "dynamicconv_backward"])
+def test_window_launch_configs_cover_the_kernel_reach(op):
+    """Every measured launch config keeps a tile at least as wide as the kernel reaches either side."""
+    pytest.importorskip("triton")
+    from ds_chimera.ops import triton_window as tw
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for kernel in range(1, 130):
+            for padding_l in {0, kernel // 2, kernel - 1}:
+                width, stages = tw.launch_config(op, dtype, kernel, padding_l)
+                assert width >= max(padding_l, kernel - 1 - padding_l, 16) and width & (width - 1) == 0
+                assert tw.tap_rows(kernel, width) >= max(kernel, width)
+                assert stages in (1, 3)

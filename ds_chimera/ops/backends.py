@@ -1,7 +1,9 @@
 """Kernel backends for the convolution ops, found through the ``ds_chimera.kernels`` entry points.
 
 A backend provides the six primitive functions (forward, input grad, weight grad for
-LightConv and DynamicConv) on some devices. Built in: ``torch`` (the reference, anywhere),
+LightConv and DynamicConv) on some devices, and may provide ``lightconv_backward`` /
+``dynamicconv_backward`` (grad, x, weight, padding_l) -> (grad_x, grad_w), which compute
+both gradients in one pass. Built in: ``torch`` (the reference, anywhere),
 ``cpp`` (csrc/, CPU) and ``triton`` (CUDA; CPU under TRITON_INTERPRET=1). The choice is,
 in order: an explicit ``backend=`` argument, ``DS_CHIMERA_KERNEL``, then the fastest
 available for the tensor's device. Falling back from the preferred backend warns once.
@@ -24,6 +26,8 @@ ENTRY_POINT_GROUP = "ds_chimera.kernels"
 ENV_VAR = "DS_CHIMERA_KERNEL"
 FUNCTIONS = ("lightconv_forward", "lightconv_backward_input", "lightconv_backward_weight",
              "dynamicconv_forward", "dynamicconv_backward_input", "dynamicconv_backward_weight")
+# optional: both gradients in one pass; the ops fall back to the two gradient functions
+FUSED_FUNCTIONS = ("lightconv_backward", "dynamicconv_backward")
 log = logging.getLogger(__name__)
 
 
@@ -115,7 +119,7 @@ class TritonBackend:
         return False, f"triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {device.type}"
 
     def __getattr__(self, name):
-        if name in FUNCTIONS:
+        if name in FUNCTIONS or name in FUSED_FUNCTIONS:
             from . import triton_kernels
             return getattr(triton_kernels, name)
         raise AttributeError(name)

@@ -1,10 +1,15 @@
 """Triton kernels for lightweight and dynamic convolution (GPU; CPU only under TRITON_INTERPRET=1).
 
-One program computes BLOCK_T time steps of one (batch, channel) row. Inputs are read in
-their own dtype and accumulated in fp32; any K, any H dividing C, padding_l in [0, K-1].
-The K taps are a runtime loop of shifted, masked loads: the shifted reads of a row hit
-the cache, so HBM traffic stays near one read of x (and of the dynamic kernel) and one
-write of y per element. Layouts as in reference.py: x (B, C, T), LightConv weight (H, K),
+Two families, chosen per call by what measured faster on an H200 (benchmarks/kernel_sweep.py):
+
+* Tap loop (here): one program computes BLOCK_T time steps of one (batch, channel) row, the
+  K taps a runtime loop of shifted, masked loads that hit the cache. Fastest below 5 taps,
+  and the only path above 129.
+* Window bands (triton_window.py): all taps of a tile as tensor-core products over aligned
+  windows, with a fused backward. Everything else.
+
+Inputs are read in their own dtype and accumulated in fp32; any K, any H dividing C,
+padding_l in [0, K-1]. Layouts as in reference.py: x (B, C, T), LightConv weight (H, K),
 DynamicConv weight (B, H, K, T).
 """
 from __future__ import annotations
@@ -14,6 +19,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from . import triton_window
 
 
 @triton.jit
@@ -179,205 +186,74 @@ def _tap_dynamicconv_backward_weight(grad, x, padding_l, heads, kernel):
     return gw
 
 
-# ---- banded-matmul kernels ------------------------------------------------------------------
-# For K > 4 the tap loop above re-reads x K times. These kernels read a tile of x (with its
-# K-1 halo) once per (batch, head, time tile, channel block) and apply all K taps as one
-# tl.dot with a (BT+K-1) x BT band matrix built from the kernel. The band is shared by the
-# channels of a head, so the kernel weights are read once per tile, not once per channel.
-# fp32 uses three-pass TF32 (tf32x3) for fp32-level accuracy on the tensor cores.
-
-@triton.jit
-def _band_fwd(x_ptr, w_ptr, y_ptr, C, T, K, P, CPH, H, DYNAMIC: tl.constexpr, BG: tl.constexpr,
-              BT: tl.constexpr, BTK: tl.constexpr, PREC: tl.constexpr):
-    """y[g, t0+j] = sum_i X[g, i] * band[i, j], X[g, i] = x[g, t0 - P + i], band[i, j] = w[i - j (, t0+j)]."""
-    bh = tl.program_id(0)
-    t0 = tl.program_id(1) * BT
-    g0 = tl.program_id(2) * BG
-    b = bh // H
-    h = bh % H
-    g = g0 + tl.arange(0, BG)
-    i = tl.arange(0, BTK)
-    j = tl.arange(0, BT)
-    rows = (b * C + h * CPH + g).to(tl.int64) * T
-    s = t0 - P + i
-    xmask = (g[:, None] < CPH) & (i[None, :] < BT + K - 1) & (s[None, :] >= 0) & (s[None, :] < T)
-    X = tl.load(x_ptr + rows[:, None] + s[None, :], mask=xmask, other=0.0)
-    k = i[:, None] - j[None, :]
-    bmask = (k >= 0) & (k < K) & (t0 + j[None, :] < T)
-    if DYNAMIC:
-        wptr = w_ptr + bh.to(tl.int64) * K * T + k * T + (t0 + j)[None, :]
-    else:
-        wptr = w_ptr + h * K + k
-    band = tl.load(wptr, mask=bmask, other=0.0).to(X.dtype)
-    acc = tl.dot(X, band, input_precision=PREC)
-    ymask = (g[:, None] < CPH) & (t0 + j[None, :] < T)
-    tl.store(y_ptr + rows[:, None] + (t0 + j)[None, :], acc.to(y_ptr.dtype.element_ty), mask=ymask)
-
-
-@triton.jit
-def _band_dyn_bwd_input(gy_ptr, w_ptr, gx_ptr, C, T, K, P, CPH, H, BG: tl.constexpr, BT: tl.constexpr,
-                        BTK: tl.constexpr, PREC: tl.constexpr):
-    """gx[g, s0+j] = sum_i GY[g, i] * band[i, j], t_i = s0 - (K-1) + P + i, band[i, j] = w[j - i + K - 1, t_i]."""
-    bh = tl.program_id(0)
-    s0 = tl.program_id(1) * BT
-    g0 = tl.program_id(2) * BG
-    b = bh // H
-    h = bh % H
-    g = g0 + tl.arange(0, BG)
-    i = tl.arange(0, BTK)
-    j = tl.arange(0, BT)
-    rows = (b * C + h * CPH + g).to(tl.int64) * T
-    t = s0 - (K - 1) + P + i
-    valid_t = (i < BT + K - 1) & (t >= 0) & (t < T)
-    GY = tl.load(gy_ptr + rows[:, None] + t[None, :], mask=(g[:, None] < CPH) & valid_t[None, :], other=0.0)
-    k = j[None, :] - i[:, None] + K - 1
-    bmask = (k >= 0) & (k < K) & valid_t[:, None]
-    band = tl.load(w_ptr + bh.to(tl.int64) * K * T + k * T + t[:, None], mask=bmask, other=0.0).to(GY.dtype)
-    acc = tl.dot(GY, band, input_precision=PREC)
-    mask = (g[:, None] < CPH) & (s0 + j[None, :] < T)
-    tl.store(gx_ptr + rows[:, None] + (s0 + j)[None, :], acc.to(gx_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _band_wgrad_shear(gy_ptr, x_ptr, out_ptr, scratch_ptr, C, T, K, P, CPH, H, n_t, n_tiles,
-                      DYNAMIC: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr, BTK: tl.constexpr,
-                      KP: tl.constexpr, PREC: tl.constexpr):
-    """Weight grads from the correlation tile corr = X^T GY (tensor cores), sheared through scratch.
-
-    Tap k is the diagonal corr[j + k, j]. The tile is written to this program's scratch slot
-    and read back skewed, one [K, BT] load, instead of K full-tile reductions. A persistent
-    grid keeps the scratch small (one slot per program).
-    """
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    i = tl.arange(0, BTK)
-    j = tl.arange(0, BT)
-    kk = tl.arange(0, KP)
-    slot = scratch_ptr + pid.to(tl.int64) * BTK * BT
-    for tile in range(pid, n_tiles, nprog):
-        tile64 = tl.full([], 0, tl.int64) + tile     # int64 offsets (and a tensor under the interpreter)
-        bh = tile64 // n_t
-        tb = tile64 % n_t
-        t0 = tb * BT
-        b = bh // H
-        h = bh % H
-        s = t0 - P + i
-        xcols = (i < BT + K - 1) & (s >= 0) & (s < T)
-        corr = tl.zeros([BTK, BT], dtype=tl.float32)
-        for g0 in range(0, CPH, BG):
-            g = g0 + tl.arange(0, BG)
-            rows = (b * C + h * CPH + g) * T
-            X = tl.load(x_ptr + rows[:, None] + s[None, :], mask=(g[:, None] < CPH) & xcols[None, :], other=0.0)
-            GY = tl.load(gy_ptr + rows[:, None] + (t0 + j)[None, :],
-                         mask=(g[:, None] < CPH) & (t0 + j[None, :] < T), other=0.0)
-            corr += tl.dot(tl.trans(X), GY.to(X.dtype), input_precision=PREC)
-        tl.store(slot + i[:, None] * BT + j[None, :], corr)
-        tl.debug_barrier()
-        kmask = (kk[:, None] < K) & (t0 + j[None, :] < T)
-        taps = tl.load(slot + (j[None, :] + kk[:, None]) * BT + j[None, :], mask=kmask, other=0.0)   # [KP, BT]
-        tl.debug_barrier()
-        if DYNAMIC:
-            tl.store(out_ptr + bh * K * T + kk[:, None] * T + (t0 + j)[None, :],
-                     taps.to(out_ptr.dtype.element_ty), mask=kmask)
-        else:
-            tl.store(out_ptr + tile64 * K + kk, tl.sum(taps, axis=1), mask=kk < K)
-
-
-BAND_MIN_K = 5
-BAND_MAX_K = 129
-
-
-def _band_config(kernel, channels_per_head, dtype):
-    bt = 64
-    btk = triton.next_power_of_2(bt + kernel - 1)
-    bg = max(16, min(64, triton.next_power_of_2(channels_per_head)))
-    prec = "tf32x3" if dtype == torch.float32 else "ieee"
-    return bg, bt, btk, prec
-
-
-def _use_band(x, kernel):
-    if not BAND_MIN_K <= kernel <= BAND_MAX_K:
+def _use_window(x, kernel, padding_l, op=""):
+    """The window-band kernels serve 5 to 129 taps (a tile of at most 64 steps). Below 5 taps
+    the tap loop was faster on an H200 (benchmarks/kernel_sweep.py), except for LightConv's
+    16-bit backward."""
+    if not 1 <= kernel <= WINDOW_MAX_K:
+        return False
+    if kernel < 5 and not (op == "lightconv_backward" and x.dtype != torch.float32):
         return False
     if os.environ.get("TRITON_INTERPRET") == "1":
-        # Triton's CPU interpreter computes tl.dot on 16-bit inputs wrongly (numpy has no bf16);
-        # there the 16-bit cases take the tap loop. The GPU run checks the 16-bit band kernels.
+        # the interpreter computes tl.dot on 16-bit inputs wrongly; there those take the tap loop
         return x.dtype == torch.float32
     return x.dtype in (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _band_forward(x, w, padding_l, dynamic):
-    batch, channels, time = x.shape
-    heads, kernel = (w.shape[1], w.shape[2]) if dynamic else w.shape
-    cph = channels // heads
-    bg, bt, btk, prec = _band_config(kernel, cph, x.dtype)
-    y = torch.empty_like(x)
-    grid = (batch * heads, triton.cdiv(time, bt), triton.cdiv(cph, bg))
-    _band_fwd[grid](x, w, y, channels, time, kernel, padding_l, cph, heads, DYNAMIC=dynamic, BG=bg, BT=bt, BTK=btk,
-                    PREC=prec)
-    return y
-
-
-def _band_weight_grad(grad, x, padding_l, heads, kernel, dynamic):
-    batch, channels, time = x.shape
-    cph = channels // heads
-    bg, bt, btk, prec = _band_config(kernel, cph, x.dtype)
-    n_t = triton.cdiv(time, bt)
-    n_tiles = batch * heads * n_t
-    if x.device.type == "cuda":
-        programs = min(n_tiles, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count)
-    else:
-        programs = min(n_tiles, 4)
-    scratch = torch.empty(programs, btk, bt, device=x.device, dtype=torch.float32)
-    if dynamic:
-        out = torch.empty(batch, heads, kernel, time, device=x.device, dtype=x.dtype)
-    else:
-        out = torch.empty(n_tiles, kernel, device=x.device, dtype=torch.float32)
-    _band_wgrad_shear[(programs,)](grad, x, out, scratch, channels, time, kernel, padding_l, cph, heads, n_t, n_tiles,
-                                   DYNAMIC=dynamic, BG=bg, BT=bt, BTK=btk, KP=triton.next_power_of_2(kernel),
-                                   PREC=prec)
-    if dynamic:
-        return out
-    return out.view(batch, heads, n_t, kernel).sum(dim=(0, 2)).to(x.dtype)
+WINDOW_MAX_K = 129
 
 
 def lightconv_forward(x, w, padding_l):
     x, w = x.contiguous(), w.contiguous()
-    if _use_band(x, w.shape[1]):
-        return _band_forward(x, w, padding_l, dynamic=False)
+    if _use_window(x, w.shape[1], padding_l):
+        return triton_window.window_forward(x, w, padding_l, dynamic=False)
     return _tap_lightconv_forward(x, w, padding_l)
 
 
 def lightconv_backward_weight(grad, x, padding_l, heads, kernel):
     grad, x = grad.contiguous(), x.contiguous()
-    if _use_band(x, kernel):
-        return _band_weight_grad(grad, x, padding_l, heads, kernel, dynamic=False)
+    if _use_window(x, kernel, padding_l):
+        return triton_window.window_backward(grad, x, None, padding_l, heads, kernel, dynamic=False,
+                                             need_input=False)[1]
     return _tap_lightconv_backward_weight(grad, x, padding_l, heads, kernel)
+
+
+def lightconv_backward(grad, x, w, padding_l):
+    """(grad_x, grad_w) in one pass over grad and x."""
+    grad, x, w = grad.contiguous(), x.contiguous(), w.contiguous()
+    if _use_window(x, w.shape[1], padding_l, "lightconv_backward"):
+        return triton_window.window_backward(grad, x, w, padding_l, w.shape[0], w.shape[1], dynamic=False)
+    return (lightconv_backward_input(grad, w, padding_l),
+            _tap_lightconv_backward_weight(grad, x, padding_l, w.shape[0], w.shape[1]))
 
 
 def dynamicconv_forward(x, w, padding_l):
     x, w = x.contiguous(), w.contiguous()
-    if _use_band(x, w.shape[2]):
-        return _band_forward(x, w, padding_l, dynamic=True)
+    if _use_window(x, w.shape[2], padding_l):
+        return triton_window.window_forward(x, w, padding_l, dynamic=True)
     return _tap_dynamicconv_forward(x, w, padding_l)
 
 
 def dynamicconv_backward_input(grad, w, padding_l):
     grad, w = grad.contiguous(), w.contiguous()
-    if not _use_band(grad, w.shape[2]):
-        return _tap_dynamicconv_backward_input(grad, w, padding_l)
-    batch, channels, time = grad.shape
-    heads, kernel = w.shape[1], w.shape[2]
-    cph = channels // heads
-    bg, bt, btk, prec = _band_config(kernel, cph, grad.dtype)
-    gx = torch.empty_like(grad)
-    grid = (batch * heads, triton.cdiv(time, bt), triton.cdiv(cph, bg))
-    _band_dyn_bwd_input[grid](grad, w, gx, channels, time, kernel, padding_l, cph, heads, BG=bg, BT=bt, BTK=btk,
-                              PREC=prec)
-    return gx
+    if _use_window(grad, w.shape[2], padding_l):
+        return triton_window.window_backward(grad, None, w, padding_l, w.shape[1], w.shape[2], dynamic=True,
+                                             need_weight=False)[0]
+    return _tap_dynamicconv_backward_input(grad, w, padding_l)
 
 
 def dynamicconv_backward_weight(grad, x, padding_l, heads, kernel):
     grad, x = grad.contiguous(), x.contiguous()
-    if _use_band(x, kernel):
-        return _band_weight_grad(grad, x, padding_l, heads, kernel, dynamic=True)
+    if _use_window(x, kernel, padding_l):
+        return triton_window.window_backward(grad, x, None, padding_l, heads, kernel, dynamic=True,
+                                             need_input=False)[1]
     return _tap_dynamicconv_backward_weight(grad, x, padding_l, heads, kernel)
+
+
+def dynamicconv_backward(grad, x, w, padding_l):
+    """(grad_x, grad_w) in one pass over grad and x."""
+    grad, x, w = grad.contiguous(), x.contiguous(), w.contiguous()
+    if _use_window(x, w.shape[2], padding_l):
+        return triton_window.window_backward(grad, x, w, padding_l, w.shape[1], w.shape[2], dynamic=True)
+    return (_tap_dynamicconv_backward_input(grad, w, padding_l),
+            _tap_dynamicconv_backward_weight(grad, x, padding_l, w.shape[1], w.shape[2]))
