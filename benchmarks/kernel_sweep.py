@@ -56,15 +56,77 @@ def check(dev):
     return worst
 
 
+def sliding_comparison(bench, nominal, out, dev, shape=(16, 1024, 2048, 16), check_time=320,
+                       dtypes=(torch.bfloat16, torch.float32)):
+    """Windows reloaded per tile (each read three times through L2) against windows that slide
+    through registers (each read once), under the launch rules, after a correctness check."""
+    batch, channels, time_, heads = shape
+    cases = [(15, 7), (31, 15), (64, 32), (31, 30)]
+    for dtype in dtypes:
+        g = torch.Generator().manual_seed(0)
+        for kernel, p in cases:       # the timed specialisations, on a short sequence, against fp64
+            for dyn in (False, True):
+                x = torch.randn(1, channels, check_time, generator=g, dtype=torch.float64)
+                shape_w = (1, heads, kernel, check_time) if dyn else (heads, kernel)
+                w = torch.randn(*shape_w, generator=g, dtype=torch.float64)
+                gy = torch.randn_like(x)
+                xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+                ref = (dynamicconv_unfold if dyn else lightconv_unfold)(xr, wr, p)
+                want = [ref, *torch.autograd.grad(ref, (xr, wr), gy)]
+                xd, wdv, gyd = (t.to(dev, dtype) for t in (x, w, gy))
+                # two tiles per program: the timed runs' specialisation (Triton compiles 1 apart)
+                got = [tw.window_forward(xd, wdv, p, dyn, sliding=True, tiles=2),
+                       *tw.window_backward(gyd, xd, wdv, p, heads, kernel, dyn, sliding=True, tiles=2)]
+                for name, a, b in zip(("y", "gx", "gw"), got, want):
+                    err = ((a.double().cpu() - b).abs().max() / b.abs().max().clamp_min(1.0)).item()
+                    if err > (1e-5 if dtype == torch.float32 else 3e-2):
+                        raise AssertionError(f"sliding mismatch dyn={dyn} {dtype} K={kernel} P={p} {name}: {err:.2e}")
+        print(f"sliding kernels match the fp64 reference ({dtype})", flush=True)
+    for dtype in dtypes:
+        x = torch.randn(batch, channels, time_, device=dev, dtype=dtype)
+        gy = torch.randn_like(x)
+        n, esize = x.numel(), x.element_size()
+        for kernel, p in cases:
+            w = torch.softmax(torch.randn(heads, kernel, device=dev), -1).to(dtype)
+            wd = torch.softmax(torch.randn(batch, heads, kernel, time_, device=dev), 2).to(dtype)
+            ratio = kernel * heads / channels
+            for label, values, dyn in (("lightconv fwd", 2, False), ("dynamicconv fwd", 2 + ratio, True),
+                                       ("lightconv bwd", 3, False), ("dynamicconv bwd", 3 + 2 * ratio, True)):
+                wt = wd if dyn else w
+                times = {}
+                for sliding in (False, True):
+                    if label.endswith("fwd"):
+                        fn = lambda: tw.window_forward(x, wt, p, dyn, sliding=sliding)
+                    else:
+                        fn = lambda: tw.window_backward(gy, x, wt, p, heads, kernel, dyn, sliding=sliding)
+                    times[sliding] = bench(fn)
+                row = {"kernel": label, "dtype": str(dtype).split(".")[-1], "K": kernel, "P": p,
+                       "reloaded_us": round(times[False] * 1e6, 1), "sliding_us": round(times[True] * 1e6, 1),
+                       "reloaded_of_nominal": round(values * n * esize / times[False] / 1e12 / nominal, 3),
+                       "sliding_of_nominal": round(values * n * esize / times[True] / 1e12 / nominal, 3)}
+                out["sliding"].append(row)
+                print(f"  {label:<16} {row['dtype']:<9} K={kernel:<3} P={p:<3} reloaded {row['reloaded_us']:8.1f} us "
+                      f"({row['reloaded_of_nominal'] * 100:4.1f}%)  sliding {row['sliding_us']:8.1f} us "
+                      f"({row['sliding_of_nominal'] * 100:4.1f}%)  x{times[False] / times[True]:.2f}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
+    parser.add_argument("--sliding", action="store_true", help="only compare reloaded against sliding windows")
     args = parser.parse_args()
     import triton
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name()
     nominal = next((v for k, v in NOMINAL_HBM_TBS.items() if k in name), None) or 1.0
     bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=30) * 1e-3
+    if args.sliding:
+        out = {"device": name, "sliding": []}
+        sliding_comparison(bench, nominal, out, dev)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(out, fh)
+        return
     out = {"device": name, "check": check(dev), "rows": []}
     batch, channels, time_, heads = 16, 1024, 2048, 16
     for dtype in (torch.bfloat16, torch.float32):

@@ -231,33 +231,35 @@ WINDOW_CHECK = textwrap.dedent('''
                 ref_gx, ref_gw = torch.autograd.grad(ref, (xr, wr), gy)
                 xf, wf, gf = x.float(), w.float(), gy.float()
                 wide = 2 * tw.window_width(kernel, padding_l)
-                got = {
-                    "y": (tw.window_forward(xf, wf, padding_l, dynamic, tiles=2), ref),
-                    "y wide": (tw.window_forward(xf, wf, padding_l, dynamic, width=wide), ref),
-                }
-                gx, gw = tw.window_backward(gf, xf, wf, padding_l, heads, kernel, dynamic, tiles=2)
-                got.update({"gx": (gx, ref_gx), "gw": (gw, ref_gw)})
-                gx, gw = tw.window_backward(gf, xf, wf, padding_l, heads, kernel, dynamic, width=wide, tiles=1)
-                got.update({"gx wide": (gx, ref_gx), "gw wide": (gw, ref_gw)})
-                got["gx only"] = (tw.window_backward(gf, None, wf, padding_l, heads, kernel, dynamic,
-                                                     need_weight=False)[0], ref_gx)
-                got["gw only"] = (tw.window_backward(gf, xf, None, padding_l, heads, kernel, dynamic,
-                                                     need_input=False)[1], ref_gw)
-                for name, (a, b) in got.items():
-                    cases += 1
-                    err = (a.double() - b).abs().max().item() / max(1.0, b.abs().max().item())
-                    if a.shape != b.shape or err > 1e-5:
-                        failures += 1
-                        print("MISMATCH", name, dynamic, kernel, heads, time, channels, padding_l, err)
+                for slide in (False, True):
+                    args = (padding_l, heads, kernel, dynamic)
+                    got = {
+                        "y": (tw.window_forward(xf, wf, padding_l, dynamic, tiles=2, sliding=slide), ref),
+                        "y wide": (tw.window_forward(xf, wf, padding_l, dynamic, width=wide, sliding=slide), ref),
+                    }
+                    gx, gw = tw.window_backward(gf, xf, wf, *args, tiles=2, sliding=slide)
+                    got.update({"gx": (gx, ref_gx), "gw": (gw, ref_gw)})
+                    gx, gw = tw.window_backward(gf, xf, wf, *args, width=wide, tiles=1, sliding=slide)
+                    got.update({"gx wide": (gx, ref_gx), "gw wide": (gw, ref_gw)})
+                    got["gx only"] = (tw.window_backward(gf, None, wf, *args, need_weight=False, sliding=slide)[0],
+                                      ref_gx)
+                    got["gw only"] = (tw.window_backward(gf, xf, None, *args, need_input=False, sliding=slide)[1],
+                                      ref_gw)
+                    for name, (a, b) in got.items():
+                        cases += 1
+                        err = (a.double() - b).abs().max().item() / max(1.0, b.abs().max().item())
+                        if a.shape != b.shape or err > 1e-5:
+                            failures += 1
+                            print("MISMATCH", name, slide, dynamic, kernel, heads, time, channels, padding_l, err)
     print(f"window kernels: {cases} checks, {failures} failures")
     sys.exit(1 if failures else 0)
 ''')
 
 
 def test_window_kernels_under_the_interpreter():
-    """Forward, fused backward and the single-gradient variants, tile widths from the smallest
-    to twice it, one and several tiles per program, every padding reach (fp32: the interpreter's
-    16-bit dot is wrong)."""
+    """Forward, fused backward and the single-gradient variants, windows reloaded and sliding,
+    tile widths from the smallest to twice it, one and several tiles per program, every padding
+    reach, heads wider than one channel block (fp32: the interpreter's 16-bit dot is wrong)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
     proc = subprocess.run([sys.executable, "-c", WINDOW_CHECK], env=env, capture_output=True, text=True, timeout=900)
@@ -274,7 +276,7 @@ def test_window_launch_configs_cover_the_kernel_reach(op):
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for kernel in range(1, 130):
             for padding_l in {0, kernel // 2, kernel - 1}:
-                width, stages = tw.launch_config(op, dtype, kernel, padding_l)
+                width, stages, _ = tw.launch_config(op, dtype, kernel, padding_l)
                 assert width >= max(padding_l, kernel - 1 - padding_l, 16) and width & (width - 1) == 0
                 assert tw.tap_rows(kernel, width) >= max(kernel, width)
                 assert stages in (1, 3)

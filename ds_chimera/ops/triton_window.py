@@ -15,6 +15,9 @@ P = K-1) is skipped at compile time.
   diagonals once at the end; DynamicConv reads them per tile.
 
 DynamicConv's bands are the per-step kernels sheared into band form with ``tl.gather``.
+Each kernel has a sliding form that loads every window once and carries it through registers
+(the reloading form reads each element through L2 three times, but Triton pipelines its
+loads); ``launch_config`` picks per case what measured faster.
 fp32 inputs use three-pass TF32 (fp32-level accuracy); 16-bit inputs accumulate in fp32.
 """
 from __future__ import annotations
@@ -37,38 +40,78 @@ def _band_from_tile(wt, idx, KP: tl.constexpr, ON_ROWS: tl.constexpr):
 
 
 @triton.jit
+def _rows_of_head(bh, g, C, T, CPH, H):
+    """(head, row offsets, row mask) of channels ``g`` of the head of (batch, head) ``bh``."""
+    h = bh % H
+    return h, ((bh // H) * C + h * CPH + g).to(tl.int64) * T, g < CPH
+
+
+@triton.jit
+def _head_band(w_ptr, h, K, k):
+    """LightConv's band for tap indices k: w[h, k] where 0 <= k < K, else 0."""
+    return tl.load(w_ptr + h * K + k, mask=(k >= 0) & (k < K), other=0.0)
+
+
+@triton.jit
+def _forward_bands(w_ptr, wt, h, K, P, d, DYNAMIC: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+                   W: tl.constexpr, KP: tl.constexpr):
+    """Bands of the windows before, at and after a tile, k = i - j + off + P (zero for a
+    window the padding never reaches): from the head's kernel, or sheared from the tile's
+    per-step kernels ``wt``."""
+    if DYNAMIC:
+        this = _band_from_tile(wt, d + P, KP, True)
+    else:
+        this = _head_band(w_ptr, h, K, d + P)
+    before = tl.zeros_like(this)
+    after = tl.zeros_like(this)
+    if LEFT:
+        if DYNAMIC:
+            before = _band_from_tile(wt, d - W + P, KP, True)
+        else:
+            before = _head_band(w_ptr, h, K, d - W + P)
+    if RIGHT:
+        if DYNAMIC:
+            after = _band_from_tile(wt, d + W + P, KP, True)
+        else:
+            after = _head_band(w_ptr, h, K, d + W + P)
+    return before, this, after
+
+
+@triton.jit
+def _mirrored_head_bands(w_ptr, h, K, P, d, LEFT: tl.constexpr, RIGHT: tl.constexpr, W: tl.constexpr):
+    """LightConv's input-grad bands for grad_y's windows before, at and after a tile,
+    k = j - i - off + P: the window before matters when the kernel reaches right, the one
+    after when it reaches left."""
+    this = _head_band(w_ptr, h, K, P - d)
+    before = tl.zeros_like(this)
+    after = tl.zeros_like(this)
+    if RIGHT:
+        before = _head_band(w_ptr, h, K, W + P - d)
+    if LEFT:
+        after = _head_band(w_ptr, h, K, P - W - d)
+    return before, this, after
+
+
+@triton.jit
 def _win_forward(x_ptr, w_ptr, y_ptr, C, T, K, P, CPH, H, TILES,
                  DYNAMIC: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
                  BG: tl.constexpr, W: tl.constexpr, KP: tl.constexpr, PREC: tl.constexpr):
     """y[g, t0 + j] = sum over windows off of X[g, t0 + off + i] * band_off[i, j], k = i - j + off + P."""
     bh = tl.program_id(0)
-    g = tl.program_id(1) * BG + tl.arange(0, BG)
-    b = bh // H
-    h = bh % H
-    rows = (b * C + h * CPH + g).to(tl.int64) * T
-    in_g = g < CPH
-    i = tl.arange(0, W)
+    h, rows, in_g = _rows_of_head(bh, tl.program_id(1) * BG + tl.arange(0, BG), C, T, CPH, H)
     j = tl.arange(0, W)
-    d = i[:, None] - j[None, :]
+    d = tl.arange(0, W)[:, None] - j[None, :]
     kk = tl.arange(0, KP)
     if not DYNAMIC:
         # one kernel per head: the three bands are built once for all the program's tiles
-        bm = tl.load(w_ptr + h * K + (d + P), mask=(d + P >= 0) & (d + P < K), other=0.0)
-        if LEFT:
-            bl = tl.load(w_ptr + h * K + (d - W + P), mask=(d - W + P >= 0) & (d - W + P < K), other=0.0)
-        if RIGHT:
-            br = tl.load(w_ptr + h * K + (d + W + P), mask=(d + W + P >= 0) & (d + W + P < K), other=0.0)
+        bl, bm, br = _forward_bands(w_ptr, w_ptr, h, K, P, d, False, LEFT, RIGHT, W, KP)
     for step in range(TILES):
         tile = tl.program_id(2) * TILES + step
         t = tile * W + j
         if DYNAMIC:
             wt = tl.load(w_ptr + bh.to(tl.int64) * K * T + kk[:, None] * T + t[None, :],
                          mask=(kk[:, None] < K) & (t[None, :] < T), other=0.0)
-            bm = _band_from_tile(wt, d + P, KP, True)
-            if LEFT:
-                bl = _band_from_tile(wt, d - W + P, KP, True)
-            if RIGHT:
-                br = _band_from_tile(wt, d + W + P, KP, True)
+            bl, bm, br = _forward_bands(w_ptr, wt, h, K, P, d, True, LEFT, RIGHT, W, KP)
         xm = tl.load(x_ptr + rows[:, None] + t[None, :], mask=in_g[:, None] & (t[None, :] < T), other=0.0)
         acc = tl.dot(xm, bm.to(xm.dtype), input_precision=PREC)
         if LEFT:
@@ -81,6 +124,56 @@ def _win_forward(x_ptr, w_ptr, y_ptr, C, T, K, P, CPH, H, TILES,
             acc = tl.dot(xr, br.to(xm.dtype), acc, input_precision=PREC)
         tl.store(y_ptr + rows[:, None] + t[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=in_g[:, None] & (t[None, :] < T))
+
+
+@triton.jit
+def _load_window(ptr, rows, in_g, t, T):
+    """The [BG, W] window of rows ``rows`` at steps ``t``, zero outside [0, T)."""
+    return tl.load(ptr + rows[:, None] + t[None, :], mask=in_g[:, None] & (t[None, :] >= 0) & (t[None, :] < T),
+                   other=0.0)
+
+
+@triton.jit
+def _load_taps(wbase, tap_ok, t, T):
+    """The [KP, W] tile of per-step kernels at steps ``t`` (rows: taps), zero outside [0, T)."""
+    return tl.load(wbase + t[None, :], mask=tap_ok & (t[None, :] >= 0) & (t[None, :] < T), other=0.0)
+
+
+@triton.jit
+def _win_forward_sliding(x_ptr, w_ptr, y_ptr, C, T, K, P, CPH, H, TILES,
+                         DYNAMIC: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+                         BG: tl.constexpr, W: tl.constexpr, KP: tl.constexpr, PREC: tl.constexpr):
+    """_win_forward with each window loaded once: it slides from 'after' to 'this' to 'before'
+    through registers, and the window two tiles ahead is loaded a tile early."""
+    bh = tl.program_id(0)
+    h, rows, in_g = _rows_of_head(bh, tl.program_id(1) * BG + tl.arange(0, BG), C, T, CPH, H)
+    j = tl.arange(0, W)
+    d = tl.arange(0, W)[:, None] - j[None, :]
+    kk = tl.arange(0, KP)
+    if not DYNAMIC:
+        bl, bm, br = _forward_bands(w_ptr, w_ptr, h, K, P, d, False, LEFT, RIGHT, W, KP)
+    first = tl.program_id(2) * TILES * W + j
+    if LEFT:
+        before = _load_window(x_ptr, rows, in_g, first - W, T)
+    this = _load_window(x_ptr, rows, in_g, first, T)
+    after = _load_window(x_ptr, rows, in_g, first + W, T)
+    for step in range(TILES):
+        t = first + step * W
+        ahead = _load_window(x_ptr, rows, in_g, t + 2 * W, T)
+        if DYNAMIC:
+            wt = tl.load(w_ptr + bh.to(tl.int64) * K * T + kk[:, None] * T + t[None, :],
+                         mask=(kk[:, None] < K) & (t[None, :] < T), other=0.0)
+            bl, bm, br = _forward_bands(w_ptr, wt, h, K, P, d, True, LEFT, RIGHT, W, KP)
+        acc = tl.dot(this, bm.to(this.dtype), input_precision=PREC)
+        if LEFT:
+            acc = tl.dot(before, bl.to(this.dtype), acc, input_precision=PREC)
+            before = this
+        if RIGHT:
+            acc = tl.dot(after, br.to(this.dtype), acc, input_precision=PREC)
+        tl.store(y_ptr + rows[:, None] + t[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=in_g[:, None] & (t[None, :] < T))
+        this = after
+        after = ahead
 
 
 @triton.jit
@@ -107,11 +200,7 @@ def _win_backward(gy_ptr, x_ptr, w_ptr, gx_ptr, gw_ptr, C, T, K, P, CPH, H, TILE
     tap_ok = kk[:, None] < K
     if not DYNAMIC:
         if NEED_GX:
-            gbm = tl.load(w_ptr + h * K + (P - d), mask=(P - d >= 0) & (P - d < K), other=0.0)
-            if RIGHT:
-                gbp = tl.load(w_ptr + h * K + (W + P - d), mask=(W + P - d >= 0) & (W + P - d < K), other=0.0)
-            if LEFT:
-                gbn = tl.load(w_ptr + h * K + (P - W - d), mask=(P - W - d >= 0) & (P - W - d < K), other=0.0)
+            gbp, gbm, gbn = _mirrored_head_bands(w_ptr, h, K, P, d, LEFT, RIGHT, W)
         if NEED_GW:
             cl = tl.zeros([W, W], dtype=tl.float32)
             cm = tl.zeros([W, W], dtype=tl.float32)
@@ -176,6 +265,97 @@ def _win_backward(gy_ptr, x_ptr, w_ptr, gx_ptr, gw_ptr, C, T, K, P, CPH, H, TILE
 
 
 @triton.jit
+def _win_backward_sliding(gy_ptr, x_ptr, w_ptr, gx_ptr, gw_ptr, C, T, K, P, CPH, H, TILES,
+                          DYNAMIC: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, NEED_GX: tl.constexpr,
+                          NEED_GW: tl.constexpr, BG: tl.constexpr, W: tl.constexpr, KP: tl.constexpr,
+                          PREC: tl.constexpr):
+    """_win_backward for a head of at most BG channels, each window loaded once: grad_y's, x's
+    and (DynamicConv) the kernels' windows slide through registers, loaded a tile early."""
+    bh = tl.program_id(0)
+    h, rows, in_g = _rows_of_head(bh, tl.arange(0, BG), C, T, CPH, H)
+    j = tl.arange(0, W)
+    d = tl.arange(0, W)[:, None] - j[None, :]
+    kk = tl.arange(0, KP)
+    r = j[None, :] + kk[:, None] - P
+    tap_ok = kk[:, None] < K
+    wbase = w_ptr + bh.to(tl.int64) * K * T + kk[:, None] * T
+    if not DYNAMIC:
+        if NEED_GX:
+            gbp, gbm, gbn = _mirrored_head_bands(w_ptr, h, K, P, d, LEFT, RIGHT, W)
+        if NEED_GW:
+            cl = tl.zeros([W, W], dtype=tl.float32)
+            cm = tl.zeros([W, W], dtype=tl.float32)
+            cr = tl.zeros([W, W], dtype=tl.float32)
+    first = tl.program_id(1) * TILES * W + j
+    if NEED_GX and RIGHT:
+        gy_before = _load_window(gy_ptr, rows, in_g, first - W, T)
+    gy_this = _load_window(gy_ptr, rows, in_g, first, T)
+    gy_after = _load_window(gy_ptr, rows, in_g, first + W, T)
+    if NEED_GW:
+        if LEFT:
+            x_before = _load_window(x_ptr, rows, in_g, first - W, T)
+        x_this = _load_window(x_ptr, rows, in_g, first, T)
+        x_after = _load_window(x_ptr, rows, in_g, first + W, T)
+    if DYNAMIC and NEED_GX:
+        if RIGHT:
+            w_before = _load_taps(wbase, tap_ok, first - W, T)
+        w_this = _load_taps(wbase, tap_ok, first, T)
+        w_after = _load_taps(wbase, tap_ok, first + W, T)
+    for step in range(TILES):
+        t = first + step * W
+        t_ok = t < T
+        gy_ahead = _load_window(gy_ptr, rows, in_g, t + 2 * W, T)
+        if NEED_GW:
+            x_ahead = _load_window(x_ptr, rows, in_g, t + 2 * W, T)
+        if NEED_GX:
+            if DYNAMIC:
+                w_ahead = _load_taps(wbase, tap_ok, t + 2 * W, T)
+                gbm = _band_from_tile(tl.trans(w_this), -d + P, KP, False)
+                if RIGHT:
+                    gbp = _band_from_tile(tl.trans(w_before), W + P - d, KP, False)
+                if LEFT:
+                    gbn = _band_from_tile(tl.trans(w_after), P - W - d, KP, False)
+            acc = tl.dot(gy_this, gbm.to(gy_this.dtype), input_precision=PREC)
+            if RIGHT:
+                acc = tl.dot(gy_before, gbp.to(gy_this.dtype), acc, input_precision=PREC)
+            if LEFT:
+                acc = tl.dot(gy_after, gbn.to(gy_this.dtype), acc, input_precision=PREC)
+            tl.store(gx_ptr + rows[:, None] + t[None, :], acc.to(gx_ptr.dtype.element_ty),
+                     mask=in_g[:, None] & t_ok[None, :])
+        if NEED_GW:
+            if DYNAMIC:
+                cl = tl.zeros([W, W], dtype=tl.float32)
+                cm = tl.zeros([W, W], dtype=tl.float32)
+                cr = tl.zeros([W, W], dtype=tl.float32)
+            cm = tl.dot(tl.trans(x_this), gy_this.to(x_this.dtype), cm, input_precision=PREC)
+            if LEFT:
+                cl = tl.dot(tl.trans(x_before), gy_this.to(x_this.dtype), cl, input_precision=PREC)
+            if RIGHT:
+                cr = tl.dot(tl.trans(x_after), gy_this.to(x_this.dtype), cr, input_precision=PREC)
+            if DYNAMIC:
+                taps = _diagonals(cl, cm, cr, r, W, LEFT, RIGHT)
+                tl.store(gw_ptr + bh.to(tl.int64) * K * T + kk[:, None] * T + t[None, :],
+                         taps.to(gw_ptr.dtype.element_ty), mask=tap_ok & t_ok[None, :])
+            if LEFT:
+                x_before = x_this
+            x_this = x_after
+            x_after = x_ahead
+        if NEED_GX and RIGHT:
+            gy_before = gy_this
+        gy_this = gy_after
+        gy_after = gy_ahead
+        if DYNAMIC and NEED_GX:
+            if RIGHT:
+                w_before = w_this
+            w_this = w_after
+            w_after = w_ahead
+    if not DYNAMIC and NEED_GW:
+        taps = _diagonals(cl, cm, cr, r, W, LEFT, RIGHT)
+        part = (bh * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * KP
+        tl.store(gw_ptr + part + kk, tl.sum(taps, axis=1))
+
+
+@triton.jit
 def _diagonals(cl, cm, cr, r, W: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr):
     """taps[k, j] = corr at row r[k, j] of the window [-W, 2W) that holds it (three W-row windows)."""
     taps = _rows_of(cm, r, W)
@@ -215,12 +395,16 @@ def _precision(dtype) -> str:
 
 
 def launch_config(op: str, dtype, kernel: int, padding_l: int):
-    """(tile width, pipeline stages) for ``op`` in {"lightconv_forward", "dynamicconv_forward",
-    "lightconv_backward", "dynamicconv_backward"}, from benchmarks/kernel_sweep.py on an H200.
+    """(tile width, pipeline stages, sliding windows) for ``op`` in {"lightconv_forward",
+    "dynamicconv_forward", "lightconv_backward", "dynamicconv_backward"}, from
+    benchmarks/kernel_sweep.py on an H200 (its default sweep, then ``--sliding``).
 
     16-bit: tiles of at least 32 steps, except DynamicConv's forward (its sheared bands grow
     with the tile). fp32: the narrowest tile; its three-pass TF32 products fill shared memory,
     so the backward runs unpipelined. DynamicConv's forward drops pipelining at 32-step tiles.
+    Sliding windows (each loaded once, carried through registers) won for both backwards and
+    DynamicConv's forward in bf16, and for some fp32 cases; they lost for LightConv's forward.
+    They are used in bf16 and fp32 only, the dtypes they were checked in on the GPU.
     """
     width = window_width(kernel, padding_l)
     wide = dtype != torch.float32 and op != "dynamicconv_forward"
@@ -232,7 +416,14 @@ def launch_config(op: str, dtype, kernel: int, padding_l: int):
         stages = 1 if width >= 32 else 3
     else:
         stages = 3
-    return width, stages
+    if dtype == torch.bfloat16:
+        sliding = op != "lightconv_forward"
+    elif dtype == torch.float32:
+        sliding = (op == "dynamicconv_backward" or (op == "lightconv_backward" and width == 16)
+                   or (op == "dynamicconv_forward" and padding_l == kernel - 1 and kernel > 1))
+    else:
+        sliding = False
+    return width, stages, sliding
 
 
 def _tiles_per_program(n_tiles: int, other_programs: int, device, target_waves: int = 4) -> int:
@@ -242,35 +433,39 @@ def _tiles_per_program(n_tiles: int, other_programs: int, device, target_waves: 
     return max(1, triton.cdiv(n_tiles, want))
 
 
-def window_forward(x, w, padding_l, dynamic, tiles=None, num_warps=4, width=None, num_stages=None):
+def window_forward(x, w, padding_l, dynamic, tiles=None, num_warps=4, width=None, num_stages=None, sliding=None):
     batch, channels, time = x.shape
     heads, kernel = (w.shape[1], w.shape[2]) if dynamic else w.shape
     cph = channels // heads
-    best_width, best_stages = launch_config("dynamicconv_forward" if dynamic else "lightconv_forward", x.dtype,
-                                            kernel, padding_l)
+    best_width, best_stages, best_sliding = launch_config("dynamicconv_forward" if dynamic else "lightconv_forward",
+                                                          x.dtype, kernel, padding_l)
     width, num_stages = width or best_width, num_stages or best_stages
+    sliding = best_sliding if sliding is None else sliding
     bg = _group_block(cph)
     n_tiles = triton.cdiv(time, width)
     groups = triton.cdiv(cph, bg)
     tiles = tiles or _tiles_per_program(n_tiles, batch * heads * groups, x.device)
     y = torch.empty_like(x)
     grid = (batch * heads, groups, triton.cdiv(n_tiles, tiles))
-    _win_forward[grid](x, w, y, channels, time, kernel, padding_l, cph, heads, tiles,
-                       DYNAMIC=dynamic, LEFT=padding_l > 0, RIGHT=kernel - 1 - padding_l > 0,
-                       BG=bg, W=width, KP=tap_rows(kernel, width), PREC=_precision(x.dtype),
-                       num_warps=num_warps, num_stages=num_stages)
+    (_win_forward_sliding if sliding else _win_forward)[grid](
+        x, w, y, channels, time, kernel, padding_l, cph, heads, tiles,
+        DYNAMIC=dynamic, LEFT=padding_l > 0, RIGHT=kernel - 1 - padding_l > 0, BG=bg, W=width,
+        KP=tap_rows(kernel, width), PREC=_precision(x.dtype), num_warps=num_warps, num_stages=num_stages)
     return y
 
 
 def window_backward(grad, x, w, padding_l, heads, kernel, dynamic, need_input=True, need_weight=True, tiles=None,
-                    num_warps=4, width=None, num_stages=None):
+                    num_warps=4, width=None, num_stages=None, sliding=None):
     """(grad_x or None, grad_w or None) in one pass over grad and x; x may be None without
-    need_weight, and w None without need_input."""
+    need_weight, and w None without need_input. Sliding windows serve heads of at most 64
+    channels; by default only the fused call (both gradients) slides, as measured."""
     batch, channels, time = grad.shape
     cph = channels // heads
-    best_width, best_stages = launch_config("dynamicconv_backward" if dynamic else "lightconv_backward",
-                                            grad.dtype, kernel, padding_l)
+    best_width, best_stages, best_sliding = launch_config(
+        "dynamicconv_backward" if dynamic else "lightconv_backward", grad.dtype, kernel, padding_l)
     width, num_stages = width or best_width, num_stages or best_stages
+    if sliding is None:
+        sliding = best_sliding and need_input and need_weight
     kp = tap_rows(kernel, width)
     n_tiles = triton.cdiv(time, width)
     tiles = tiles or _tiles_per_program(n_tiles, batch * heads, grad.device)
@@ -282,10 +477,12 @@ def window_backward(grad, x, w, padding_l, heads, kernel, dynamic, need_input=Tr
         gw = torch.empty(batch, heads, kernel, time, device=grad.device, dtype=x.dtype)
     else:
         gw = torch.empty(batch, heads, n_parts, kp, device=grad.device, dtype=torch.float32)
-    _win_backward[(batch * heads, n_parts)](
+    bg = _group_block(cph)
+    kernel_fn = _win_backward_sliding if sliding and cph <= bg else _win_backward
+    kernel_fn[(batch * heads, n_parts)](
         grad, x if need_weight else grad, w if need_input else grad, gx, gw, channels, time, kernel, padding_l,
         cph, heads, tiles, DYNAMIC=dynamic, LEFT=padding_l > 0, RIGHT=kernel - 1 - padding_l > 0,
-        NEED_GX=need_input, NEED_GW=need_weight, BG=_group_block(cph), W=width, KP=kp,
+        NEED_GX=need_input, NEED_GW=need_weight, BG=bg, W=width, KP=kp,
         PREC=_precision(grad.dtype), num_warps=num_warps, num_stages=num_stages)
     if need_weight and not dynamic:
         gw = gw.sum(dim=(0, 2))[:, :kernel].to(x.dtype)
