@@ -280,3 +280,36 @@ def test_window_launch_configs_cover_the_kernel_reach(op):
                 assert width >= max(padding_l, kernel - 1 - padding_l, 16) and width & (width - 1) == 0
                 assert tw.tap_rows(kernel, width) >= max(kernel, width)
                 assert stages in (1, 3)
+
+
+def test_window_kernels_compile_for_hopper():
+    """Each window kernel (reloaded and sliding, LightConv and DynamicConv) compiles to sm_90
+    code with the installed Triton. No GPU is needed to compile, and an earlier version's
+    tl.gather failed to lower on the GPU machine's Triton: this catches that class of error."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ds_chimera.ops import triton_window as tw
+    forward_ptrs = ("x_ptr", "w_ptr", "y_ptr")
+    backward_ptrs = ("gy_ptr", "x_ptr", "w_ptr", "gx_ptr", "gw_ptr")
+    kernel, padding_l = 31, 15
+    for dtype, dynamic, (fn, ptrs, extra) in itertools.product(
+            ("bf16", "fp32"), (False, True),
+            ((tw._win_forward, forward_ptrs, {}), (tw._win_forward_sliding, forward_ptrs, {}),
+             (tw._win_backward, backward_ptrs, {"NEED_GX": True, "NEED_GW": True}),
+             (tw._win_backward_sliding, backward_ptrs, {"NEED_GX": True, "NEED_GW": True}))):
+        if dtype == "fp32" and not dynamic:
+            continue
+        width = tw.window_width(kernel, padding_l)
+        constants = {"DYNAMIC": dynamic, "LEFT": True, "RIGHT": True, "BG": 64, "W": width,
+                     "KP": tw.tap_rows(kernel, width), "PREC": "tf32x3" if dtype == "fp32" else "ieee", **extra}
+        signature = {name: f"*{dtype}" for name in ptrs}
+        if "gw_ptr" in signature and not dynamic:
+            signature["gw_ptr"] = "*fp32"
+        signature.update({name: "i32" for name in ("C", "T", "K", "P", "CPH", "H", "TILES")})
+        signature.update({name: "constexpr" for name in constants})
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))}
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+        assert "mma" in compiled.asm["ptx"], (fn.__name__, dtype, dynamic)
