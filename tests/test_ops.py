@@ -282,34 +282,56 @@ def test_window_launch_configs_cover_the_kernel_reach(op):
                 assert stages in (1, 3)
 
 
+def _compile_for_hopper(fn, pointer_types: dict, constants: dict, stages: int):
+    """A window kernel compiled to sm_90 code (no GPU needed), pointers 16-byte aligned."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    signature = dict(pointer_types)
+    signature.update({name: "i32" for name in ("C", "T", "K", "P", "CPH", "H", "TILES")})
+    signature.update({name: "constexpr" for name in constants})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointer_types))}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
+
+
+FORWARD_POINTERS = ("x_ptr", "w_ptr", "y_ptr")
+BACKWARD_POINTERS = ("gy_ptr", "x_ptr", "w_ptr", "gx_ptr", "gw_ptr")
+
+
 def test_window_kernels_compile_for_hopper():
     """Each window kernel (reloaded and sliding, LightConv and DynamicConv) compiles to sm_90
     code with the installed Triton. No GPU is needed to compile, and an earlier version's
     tl.gather failed to lower on the GPU machine's Triton: this catches that class of error."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    pytest.importorskip("triton")
     from ds_chimera.ops import triton_window as tw
-    forward_ptrs = ("x_ptr", "w_ptr", "y_ptr")
-    backward_ptrs = ("gy_ptr", "x_ptr", "w_ptr", "gx_ptr", "gw_ptr")
     kernel, padding_l = 31, 15
+    both = {"NEED_GX": True, "NEED_GW": True}
     for dtype, dynamic, (fn, ptrs, extra) in itertools.product(
             ("bf16", "fp32"), (False, True),
-            ((tw._win_forward, forward_ptrs, {}), (tw._win_forward_sliding, forward_ptrs, {}),
-             (tw._win_backward, backward_ptrs, {"NEED_GX": True, "NEED_GW": True}),
-             (tw._win_backward_sliding, backward_ptrs, {"NEED_GX": True, "NEED_GW": True}))):
+            ((tw._win_forward, FORWARD_POINTERS, {}), (tw._win_forward_sliding, FORWARD_POINTERS, {}),
+             (tw._win_backward, BACKWARD_POINTERS, both), (tw._win_backward_sliding, BACKWARD_POINTERS, both))):
         if dtype == "fp32" and not dynamic:
             continue
         width = tw.window_width(kernel, padding_l)
         constants = {"DYNAMIC": dynamic, "LEFT": True, "RIGHT": True, "BG": 64, "W": width,
                      "KP": tw.tap_rows(kernel, width), "PREC": "tf32x3" if dtype == "fp32" else "ieee", **extra}
-        signature = {name: f"*{dtype}" for name in ptrs}
-        if "gw_ptr" in signature and not dynamic:
-            signature["gw_ptr"] = "*fp32"
-        signature.update({name: "i32" for name in ("C", "T", "K", "P", "CPH", "H", "TILES")})
-        signature.update({name: "constexpr" for name in constants})
-        attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))}
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+        types = {name: ("*fp32" if name == "gw_ptr" and not dynamic else f"*{dtype}") for name in ptrs}
+        compiled = _compile_for_hopper(fn, types, constants, stages=3)
         assert "mma" in compiled.asm["ptx"], (fn.__name__, dtype, dynamic)
+
+
+def test_widest_window_kernels_fit_in_shared_memory():
+    """At 129 taps (64-step tiles), the fp32 kernels under their launch rules stay within
+    Hopper's 227 KB of shared memory per block (three-pass TF32 tiles are the largest)."""
+    pytest.importorskip("triton")
+    from ds_chimera.ops import triton_window as tw
+    kernel, padding_l = 129, 64
+    for op, fn, ptrs, extra in (("lightconv_forward", tw._win_forward, FORWARD_POINTERS, {}),
+                                ("lightconv_backward", tw._win_backward, BACKWARD_POINTERS,
+                                 {"NEED_GX": True, "NEED_GW": True})):
+        width, stages, _ = tw.launch_config(op, torch.float32, kernel, padding_l)
+        constants = {"DYNAMIC": False, "LEFT": True, "RIGHT": True, "BG": 64, "W": width,
+                     "KP": tw.tap_rows(kernel, width), "PREC": "tf32x3", **extra}
+        compiled = _compile_for_hopper(fn, {name: "*fp32" for name in ptrs}, constants, stages)
+        assert compiled.metadata.shared <= 227 * 1024, (op, compiled.metadata.shared)
