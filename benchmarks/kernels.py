@@ -137,7 +137,11 @@ def gpu_part(repeats):
             for label, fn, values, torch_fn in cases:
                 seconds = bench(fn)
                 tbs = values * n * esize / seconds / 1e12
+                op = ("dynamicconv" if label.startswith("dynamic") else "lightconv") + \
+                    ("_forward" if " fwd" in label else "_backward")
+                pad = kernel - 1 if label.endswith("causal") else p
                 row = {"kernel": label, "dtype": str(dtype).split(".")[-1], "K": kernel, "us": round(seconds * 1e6, 1),
+                       "path": tk.kernel_path(op, x, kernel, pad, channels // heads),
                        "TBps": round(tbs, 3), "of_copy": round(tbs / copy_tbs, 3),
                        "of_nominal": round(tbs / nominal, 3) if nominal else None}
                 if torch_fn is not None and dtype == torch.float32 and kernel <= 31:
@@ -150,7 +154,8 @@ def gpu_part(repeats):
                 print(f"  {label:<22} {row['dtype']:<9} K={kernel:<3} {row['us']:9.1f} us  {tbs:6.2f} TB/s  "
                       f"{row['of_copy'] * 100:5.1f}% of copy  "
                       f"{(row['of_nominal'] or 0) * 100:5.1f}% of nominal"
-                      + (f"  x{row['speedup_vs_unfold']} vs torch unfold" if "speedup_vs_unfold" in row else ""),
+                      + (f"  x{row['speedup_vs_unfold']} vs torch unfold" if "speedup_vs_unfold" in row else "")
+                      + f"  [{row['path']}]",
                       flush=True)
     return results
 

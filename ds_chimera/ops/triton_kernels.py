@@ -203,6 +203,16 @@ def _use_window(x, kernel, padding_l, op=""):
 WINDOW_MAX_K = 129
 
 
+def kernel_path(op, x, kernel, padding_l, channels_per_head):
+    """Which kernel serves ``op`` (a FUSED or forward name) for this input, in words: what a
+    benchmark row measured."""
+    if not _use_window(x, kernel, padding_l, op):
+        return "tap loop"
+    width, stages, sliding = triton_window.launch_config(op, x.dtype, kernel, padding_l)
+    sliding = sliding and (op.endswith("forward") or channels_per_head <= 64)
+    return f"window{' sliding' if sliding else ''} W={width} stages={stages}"
+
+
 def lightconv_forward(x, w, padding_l):
     x, w = x.contiguous(), w.contiguous()
     if _use_window(x, w.shape[1], padding_l):
