@@ -22,6 +22,8 @@ fp32 inputs use three-pass TF32 (fp32-level accuracy); 16-bit inputs accumulate 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -426,14 +428,22 @@ def launch_config(op: str, dtype, kernel: int, padding_l: int):
     return width, stages, sliding
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _tiles_per_program(n_tiles: int, other_programs: int, device, target_waves: int = 4) -> int:
     """Enough tiles per program to amortise its set-up, while keeping a few waves of programs."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
     want = max(1, target_waves * sms // max(1, other_programs))
     return max(1, triton.cdiv(n_tiles, want))
 
 
 def window_forward(x, w, padding_l, dynamic, tiles=None, num_warps=4, width=None, num_stages=None, sliding=None):
+    """y for x (B, C, T) and a kernel (H, K) or per-step kernels (B, H, K, T); launch settings
+    default to ``launch_config``'s."""
     batch, channels, time = x.shape
     heads, kernel = (w.shape[1], w.shape[2]) if dynamic else w.shape
     cph = channels // heads
