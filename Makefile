@@ -5,13 +5,15 @@ DEEPSPEED_VERSION ?= 0.19.8
 MEGATRON_CORE_VERSION ?= 0.16.1
 TRANSFORMERS_VERSION ?= 5.24.0
 ACCELERATE_VERSION ?= 1.15.0
+# the Triton the kernel tests (interpreter, sm_90 compiles) last passed with; the GPU run used 3.6.0
+TRITON_VERSION ?= 3.9.0
 STAMP := .make-installed
 
 .PHONY: install test demo demo-sim bench clean
 
 $(STAMP): setup.py Makefile
 	$(PYTHON) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PYTHON) -m pip install --quiet "deepspeed==$(DEEPSPEED_VERSION)" triton pytest matplotlib numpy
+	$(PYTHON) -m pip install --quiet "deepspeed==$(DEEPSPEED_VERSION)" "triton==$(TRITON_VERSION)" pytest matplotlib numpy
 	$(PYTHON) -m pip install --quiet "megatron-core==$(MEGATRON_CORE_VERSION)" \
 		"transformers==$(TRANSFORMERS_VERSION)" "accelerate==$(ACCELERATE_VERSION)"
 	$(PYTHON) -m pip install --quiet --no-build-isolation --no-deps -e .
