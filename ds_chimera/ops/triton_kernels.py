@@ -186,7 +186,7 @@ def _tap_dynamicconv_backward_weight(grad, x, padding_l, heads, kernel):
     return gw
 
 
-def _use_window(x, kernel, padding_l, op=""):
+def _use_window(x, kernel, op=""):
     """The window-band kernels serve 5 to 129 taps (a tile of at most 64 steps). Below 5 taps
     the tap loop was faster on an H200 (benchmarks/kernel_sweep.py), except for LightConv's
     16-bit backward."""
@@ -206,23 +206,23 @@ WINDOW_MAX_K = 129
 def kernel_path(op, x, kernel, padding_l, channels_per_head):
     """Which kernel serves ``op`` (a FUSED or forward name) for this input, in words: what a
     benchmark row measured."""
-    if not _use_window(x, kernel, padding_l, op):
+    if not _use_window(x, kernel, op):
         return "tap loop"
     width, stages, sliding = triton_window.launch_config(op, x.dtype, kernel, padding_l)
-    sliding = sliding and (op.endswith("forward") or channels_per_head <= 64)
+    sliding = sliding and (op.endswith("forward") or triton_window.fits_one_block(channels_per_head))
     return f"window{' sliding' if sliding else ''} W={width} stages={stages}"
 
 
 def lightconv_forward(x, w, padding_l):
     x, w = x.contiguous(), w.contiguous()
-    if _use_window(x, w.shape[1], padding_l):
+    if _use_window(x, w.shape[1]):
         return triton_window.window_forward(x, w, padding_l, dynamic=False)
     return _tap_lightconv_forward(x, w, padding_l)
 
 
 def lightconv_backward_weight(grad, x, padding_l, heads, kernel):
     grad, x = grad.contiguous(), x.contiguous()
-    if _use_window(x, kernel, padding_l):
+    if _use_window(x, kernel):
         return triton_window.window_backward(grad, x, None, padding_l, heads, kernel, dynamic=False,
                                              need_input=False)[1]
     return _tap_lightconv_backward_weight(grad, x, padding_l, heads, kernel)
@@ -231,7 +231,7 @@ def lightconv_backward_weight(grad, x, padding_l, heads, kernel):
 def lightconv_backward(grad, x, w, padding_l):
     """(grad_x, grad_w) in one pass over grad and x."""
     grad, x, w = grad.contiguous(), x.contiguous(), w.contiguous()
-    if _use_window(x, w.shape[1], padding_l, "lightconv_backward"):
+    if _use_window(x, w.shape[1], "lightconv_backward"):
         return triton_window.window_backward(grad, x, w, padding_l, w.shape[0], w.shape[1], dynamic=False)
     return (lightconv_backward_input(grad, w, padding_l),
             _tap_lightconv_backward_weight(grad, x, padding_l, w.shape[0], w.shape[1]))
@@ -239,14 +239,14 @@ def lightconv_backward(grad, x, w, padding_l):
 
 def dynamicconv_forward(x, w, padding_l):
     x, w = x.contiguous(), w.contiguous()
-    if _use_window(x, w.shape[2], padding_l):
+    if _use_window(x, w.shape[2]):
         return triton_window.window_forward(x, w, padding_l, dynamic=True)
     return _tap_dynamicconv_forward(x, w, padding_l)
 
 
 def dynamicconv_backward_input(grad, w, padding_l):
     grad, w = grad.contiguous(), w.contiguous()
-    if _use_window(grad, w.shape[2], padding_l):
+    if _use_window(grad, w.shape[2]):
         return triton_window.window_backward(grad, None, w, padding_l, w.shape[1], w.shape[2], dynamic=True,
                                              need_weight=False)[0]
     return _tap_dynamicconv_backward_input(grad, w, padding_l)
@@ -254,7 +254,7 @@ def dynamicconv_backward_input(grad, w, padding_l):
 
 def dynamicconv_backward_weight(grad, x, padding_l, heads, kernel):
     grad, x = grad.contiguous(), x.contiguous()
-    if _use_window(x, kernel, padding_l):
+    if _use_window(x, kernel):
         return triton_window.window_backward(grad, x, None, padding_l, heads, kernel, dynamic=True,
                                              need_input=False)[1]
     return _tap_dynamicconv_backward_weight(grad, x, padding_l, heads, kernel)
@@ -263,7 +263,7 @@ def dynamicconv_backward_weight(grad, x, padding_l, heads, kernel):
 def dynamicconv_backward(grad, x, w, padding_l):
     """(grad_x, grad_w) in one pass over grad and x."""
     grad, x, w = grad.contiguous(), x.contiguous(), w.contiguous()
-    if _use_window(x, w.shape[2], padding_l):
+    if _use_window(x, w.shape[2]):
         return triton_window.window_backward(grad, x, w, padding_l, w.shape[1], w.shape[2], dynamic=True)
     return (_tap_dynamicconv_backward_input(grad, w, padding_l),
             _tap_dynamicconv_backward_weight(grad, x, padding_l, w.shape[1], w.shape[2]))

@@ -392,6 +392,11 @@ def _group_block(channels_per_head: int) -> int:
     return max(16, min(64, triton.next_power_of_2(channels_per_head)))
 
 
+def fits_one_block(channels_per_head: int) -> bool:
+    """Whether a head's channels fit one channel block, as the sliding backward needs."""
+    return channels_per_head <= _group_block(channels_per_head)
+
+
 def _precision(dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "ieee"
 
@@ -488,7 +493,7 @@ def window_backward(grad, x, w, padding_l, heads, kernel, dynamic, need_input=Tr
     else:
         gw = torch.empty(batch, heads, n_parts, kp, device=grad.device, dtype=torch.float32)
     bg = _group_block(cph)
-    kernel_fn = _win_backward_sliding if sliding and cph <= bg else _win_backward
+    kernel_fn = _win_backward_sliding if sliding and fits_one_block(cph) else _win_backward
     kernel_fn[(batch * heads, n_parts)](
         grad, x if need_weight else grad, w if need_input else grad, gx, gw, channels, time, kernel, padding_l,
         cph, heads, tiles, DYNAMIC=dynamic, LEFT=padding_l > 0, RIGHT=kernel - 1 - padding_l > 0,
