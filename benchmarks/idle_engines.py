@@ -8,7 +8,9 @@ beside 25 engines that are not stepping (each with its own gloo process groups a
 threads). This times one schedule (chimera zero-bubble, f = 2, N = 8, the timed model) in
 fresh 4-rank launches, alternately without and with ``--idle`` extra engines built and never
 stepped, and prints the median step over ideal for each launch, and the native threads per
-process.
+process. The idle engines are built twice: with torch's gloo transport, one device (and one
+event-loop thread that wakes every 10 ms) per process group, and with one device shared by
+all groups (``gloo_transport``, what the other benchmarks use).
 """
 import argparse
 import json
@@ -33,7 +35,7 @@ def worker(args):
 
     from timed_model import WIDTH
 
-    rank, _, _, specs = init_timed_model()
+    rank, _, _, specs = init_timed_model(device_per_group=args.device_per_group)
 
     active = timed_engine(specs, ds_config(N, SCHEDULE))
     idle = [timed_engine(specs, ds_config(N, OURS[i % len(OURS)])) for i in range(args.idle)]   # never stepped
@@ -41,9 +43,11 @@ def worker(args):
     step = median_steps_in_turn(dist, [lambda: active.train_batch(iter(batch))], args.repeats)[0]
     with open("/proc/self/status") as fh:
         threads = int(next(line for line in fh if line.startswith("Threads")).split()[1])
-    row = {"idle_engines": len(idle), "vs_ideal": step / (N * 3 * COST_S), "threads": threads}
+    transport = "a gloo device per group" if args.device_per_group else "one gloo device"
+    row = {"idle_engines": len(idle), "vs_ideal": step / (N * 3 * COST_S), "threads": threads,
+           "transport": transport}
     if rank == 0:
-        print(f"  idle {len(idle):>3} engines, {threads:>4} threads per process: "
+        print(f"  idle {len(idle):>3} engines, {transport:<23}, {threads:>4} threads per process: "
               f"{row['vs_ideal']:.3f} x ideal", flush=True)
     save_rows(dist, [row], args.out)
 
@@ -53,6 +57,7 @@ def main():
     parser.add_argument("--idle", type=int, default=25, help="idle engines in the 'with' launches (default 25)")
     parser.add_argument("--pairs", type=int, default=2, help="without/with launch pairs (default 2)")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device-per-group", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--out", default=os.path.join(HERE, "idle_engines_results.json"))
     args = parser.parse_args()
@@ -60,12 +65,14 @@ def main():
         return worker(args)
     if args.idle < 1 or args.pairs < 1:
         parser.error(f"--idle and --pairs must be >= 1, got {args.idle} and {args.pairs}")
-    print(f"4 ranks, {SCHEDULE[0]} {json.dumps(SCHEDULE[1])}, N = {N}; launches alternate without and with "
-          f"{args.idle} idle engines", flush=True)
+    print(f"4 ranks, {SCHEDULE[0]} {json.dumps(SCHEDULE[1])}, N = {N}; launches alternate: alone, beside "
+          f"{args.idle} idle engines with a gloo device per group (torch's default), and beside them with one "
+          f"gloo device per process", flush=True)
     rows = []
     for _ in range(args.pairs):
-        for idle in (0, args.idle):
-            got = launch(__file__, ["--idle", idle, "--repeats", args.repeats], args.out, ("  idle",))
+        for idle, per_group in ((0, False), (args.idle, True), (args.idle, False)):
+            extra = ["--device-per-group"] if per_group else []
+            got = launch(__file__, ["--idle", idle, "--repeats", args.repeats, *extra], args.out, ("  idle",))
             if got is None:
                 return report(None)
             rows += got
@@ -73,10 +80,12 @@ def main():
 
 
 def summarise(rows):
-    without = [r["vs_ideal"] for r in rows if r["idle_engines"] == 0]
-    with_idle = [r["vs_ideal"] for r in rows if r["idle_engines"] > 0]
-    print(f"without idle engines {min(without):.3f}-{max(without):.3f} x ideal; with "
-          f"{min(with_idle):.3f}-{max(with_idle):.3f}")
+    def span(pick):
+        got = [r["vs_ideal"] for r in rows if pick(r)]
+        return f"{min(got):.3f}-{max(got):.3f}"
+    print(f"alone {span(lambda r: r['idle_engines'] == 0)} x ideal; beside idle engines, a gloo device per group "
+          f"{span(lambda r: r['idle_engines'] > 0 and r['transport'] != 'one gloo device')}, one gloo device "
+          f"{span(lambda r: r['idle_engines'] > 0 and r['transport'] == 'one gloo device')}")
 
 
 if __name__ == "__main__":

@@ -210,18 +210,23 @@ def median_step(dist, step, repeats: int) -> float:
     return median_steps_in_turn(dist, [step], repeats)[0]
 
 
-def init_timed_model():
+def init_timed_model(device_per_group: bool = False):
     """Join the gloo process group and build the timed model's layer specs.
 
-    Returns (rank, world size, seconds per timed layer and op, specs): every rank's share of
-    the LAYERS timed layers costs COST_S per op, behind the cost-free entry layer.
+    Every gloo group of the process shares one transport device (``gloo_transport``), unless
+    ``device_per_group`` (torch's default). Returns (rank, world size, seconds per timed
+    layer and op, specs): every rank's share of the LAYERS timed layers costs COST_S per op,
+    behind the cost-free entry layer.
     """
     import torch.distributed as dist
 
     import deepspeed
     from deepspeed.pipe import LayerSpec
+    from gloo_transport import share_one_device
     from timed_model import model_specs
 
+    if not device_per_group:
+        share_one_device()
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
     layer_s = COST_S * world / LAYERS

@@ -15,24 +15,32 @@ Each cost is held to a deadline, so a layer takes its nominal cost and not more:
 depending on the host's load), and the first Python code after a sleep runs slowly on a
 vCPU that went idle. The forward's deadline counts from the layer's entry, so its own
 autograd bookkeeping is inside F; each backward path's deadline counts from its entry.
+
+The spun tail is short (0.5 ms) and yields the core at every turn. Four ranks share two
+cores, so spinning ranks compete for them: with a 1 ms spin that did not yield, one
+hold in ten came back 0.4-0.5 ms late inside a pipeline step (0.1 ms one-by-one), and the
+timed layers, not the schedule or the runtime, cost every row about 1.5% of its step
+(``step_breakdown.py``: 1.095-1.099x ideal with that spin, 1.066-1.076x with this one, for
+the same schedule and runtime).
 """
+import os
 import time
 
 import torch
 from torch import nn
 
 WIDTH = 16
-SPIN_S = 0.001     # the last part of each cost is spun, not slept: wake-up latency is about this
+SPIN_S = 0.0005    # the last part of each cost is spun, not slept: 9 wake-ups in 10 come sooner than this
 
 
 def hold_until(deadline: float, spin_s: float = SPIN_S) -> None:
     """Return at ``deadline`` (a perf_counter time): sleep most of the wait (freeing the core),
-    spin the last ``spin_s``."""
+    spin the last ``spin_s``, yielding the core to any other runnable rank at each turn."""
     rest = deadline - time.perf_counter()
     if rest > spin_s:
         time.sleep(rest - spin_s)
     while time.perf_counter() < deadline:
-        pass
+        os.sched_yield()
 
 
 def hold(seconds: float, spin_s: float = SPIN_S) -> None:
