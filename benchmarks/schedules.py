@@ -8,9 +8,10 @@ micro-batch (8 timed layers, 2 per rank; 1 per chunk for 2-chunk schedules; a co
 entry layer first, see ``timed_model``). For each
 schedule it prints the median step time over ideal = N * (F + I + W), and the simulator's
 prediction for the same program: with nominal costs, "calibrated" (the layers' measured costs
-and the ping-pong latency) and "full" (also the latency to a rank that has been waiting and
-the runtime's per-message host time, each measured apart from the steps, just before and
-just after each N's rows; the mean of the two is used). In the same invocation it runs
+and the ping-pong latency) and "full" (also the latency to a rank that has been waiting, the
+runtime's per-message host time, and the time of a gradient all-reduce over the program's
+replica groups, each measured apart from the steps, just before and just after each N's
+rows; the mean of the two is used). In the same invocation it runs
 DeepSpeed's stock TrainSchedule (1F1B) and DualPipeV engines, and torch.distributed.pipelining's
 GPipe, 1F1B, LoopedBFS, Interleaved1F1B, ZBV and DualPipeV schedules on the same layers,
 and a few schedules through ds_chimera's Megatron-Core contract (``ds_chimera.megatron``).
@@ -66,20 +67,29 @@ def worker(args):
 
     rank, world, layer_s, specs = init_timed_model()
     rows = []
+    # the replica groups the programs sync over: Chimera's stage pairs (s, D-1-s), or every rank
+    pair_groups = {tuple(sorted((r, world - 1 - r))): None for r in range(world)}
+    for ranks in pair_groups:
+        pair_groups[ranks] = dist.new_group(list(ranks))      # collective: every rank, same order
 
     def measure_costs(when: str) -> dict:
         """The costs the simulations use, measured now, apart from any step."""
         latency = p2p_latency(dist, torch, rank)
         waiting = p2p_waiting_latency(dist, torch, rank, idle_s=layer_s)
         send_s, recv_s, late_recv_s = p2p_host_costs(dist, torch, rank)
+        mine = next(ranks for ranks in pair_groups if rank in ranks)
+        allreduce = {2: allreduce_time(dist, torch, rank, pair_groups[mine], mine, idle_s=layer_s),
+                     world: allreduce_time(dist, torch, rank, None, tuple(range(world)), idle_s=layer_s)}
         f_s, i_s, w_s = calibrate(torch, TimedLayer, layer_s, LAYERS // world, WIDTH)
         if rank == 0:
             print(f"  measured {when}: one-way p2p latency {latency * 1e3:.2f} ms ping-pong, {waiting * 1e3:.2f} ms to "
                   f"a rank that has waited {layer_s * 1e3:.0f} ms; P2P host time per message: send "
                   f"{send_s * 1e3:.3f} ms, receive posted early {recv_s * 1e3:.3f} ms (posted when needed "
-                  f"{late_recv_s * 1e3:.3f} ms); timed-layer costs per rank share: F {f_s * 1e3:.2f} ms, "
+                  f"{late_recv_s * 1e3:.3f} ms); gradient all-reduce over 2 ranks {allreduce[2] * 1e3:.2f} ms, over "
+                  f"{world} {allreduce[world] * 1e3:.2f} ms; timed-layer costs per rank share: F {f_s * 1e3:.2f} ms, "
                   f"I {i_s * 1e3:.2f} ms, W {w_s * 1e3:.2f} ms (nominal {COST_S * 1e3:.0f} each)", flush=True)
-        return {"latency": latency, "waiting": waiting, "send": send_s, "recv": recv_s, "f": f_s, "i": i_s, "w": w_s}
+        return {"latency": latency, "waiting": waiting, "send": send_s, "recv": recv_s, "f": f_s, "i": i_s, "w": w_s,
+                "allreduce_2": allreduce[2], "allreduce_world": allreduce[world]}
 
     def data(n):
         return random_batches(torch, WIDTH, n)
@@ -132,8 +142,12 @@ def worker(args):
         # the host's load drifts: the simulations use the mean of the costs measured around the rows
         cost = {key: (before[key] + after[key]) / 2 for key in before}
         calibrated_costs = Costs(fwd=cost["f"], bwd=cost["i"] + cost["w"], wgrad=cost["w"], comm=cost["latency"])
-        full_costs = Costs(fwd=cost["f"], bwd=cost["i"] + cost["w"], wgrad=cost["w"], comm=cost["waiting"],
-                           send=cost["send"], recv=cost["recv"])
+
+        def full_costs(program):
+            size = sync_group_size(program)
+            allreduce = 0.0 if size < 2 else cost["allreduce_2"] if size == 2 else cost["allreduce_world"]
+            return Costs(fwd=cost["f"], bwd=cost["i"] + cost["w"], wgrad=cost["w"], comm=cost["waiting"],
+                         send=cost["send"], recv=cost["recv"], allreduce=allreduce)
         for (runtime, name, _, program), median in zip(entries, medians):
             row = {"runtime": runtime, "schedule": name, "N": n, "step_s": median, "vs_ideal": median / ideal}
             if program is None:
@@ -143,11 +157,12 @@ def worker(args):
                 continue
             sim0 = simulate(program, Costs(fwd=COST_S, bwd=2 * COST_S, wgrad=COST_S)).makespan
             sim = simulate(program, calibrated_costs).makespan
-            sim_full = simulate(program, full_costs).makespan
+            sim_full = simulate(program, full_costs(program)).makespan
             row.update({"sim_nocomm_vs_ideal": sim0 / ideal, "sim_vs_ideal": sim / ideal, "measured_vs_sim": median / sim,
                         "sim_full_vs_ideal": sim_full / ideal, "measured_vs_sim_full": median / sim_full,
                         "latency_s": cost["latency"], "waiting_latency_s": cost["waiting"], "send_s": cost["send"],
-                        "recv_s": cost["recv"], "layer_costs_s": [cost["f"], cost["i"], cost["w"]]})
+                        "recv_s": cost["recv"], "allreduce_s": full_costs(program).allreduce,
+                        "layer_costs_s": [cost["f"], cost["i"], cost["w"]]})
             rows.append(row)
             if rank == 0:
                 shown = "ds_chimera" if runtime == "ds_chimera" else "megatron  "
@@ -327,6 +342,40 @@ def p2p_waiting_latency(dist, torch, rank, idle_s: float, rounds=40):
     value = torch.tensor([statistics.median(delays) if delays else 0.0], dtype=torch.float64)
     dist.all_reduce(value)                         # only rank 1 measured
     return float(value)
+
+
+def allreduce_time(dist, torch, rank, group, ranks: tuple, idle_s: float, rounds=30):
+    """Median time of a small gradient all-reduce over ``ranks`` from its last member's post.
+
+    A replica's gradient sync completes only after its last member posts it, and the others
+    are waiting by then (the simulator's ``allreduce`` cost). So every member but the last
+    posts and waits; the last one idles ``idle_s`` first, like a rank finishing its last
+    backward, and times its own post to completion. Ranks outside ``ranks`` only join the
+    barriers.
+    """
+    last = ranks[-1]
+    grads = torch.zeros(4)
+    times = []
+    for _ in range(rounds):
+        dist.barrier()
+        if rank not in ranks:
+            continue
+        if rank == last:
+            time.sleep(idle_s)
+            start = time.perf_counter()
+            dist.all_reduce(grads, group=group)
+            times.append(time.perf_counter() - start)
+        else:
+            dist.all_reduce(grads, group=group)
+    value = torch.tensor([statistics.median(times) if times else 0.0], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)      # only the last members measured
+    return float(value)
+
+
+def sync_group_size(program) -> int:
+    """The most ranks any gradient sync of ``program`` spans (1: the program has none)."""
+    from ds_chimera.schedules.actions import GradSync
+    return max((len(set(op.ranks)) for ops in program.ops for op in ops if type(op) is GradSync), default=1)
 
 
 def p2p_host_costs(dist, torch, rank, rounds=100):
@@ -517,7 +566,7 @@ def summarise(rows):
     worst = max((r["measured_vs_sim"] for r in ok if "measured_vs_sim" in r), default=float("nan"))
     worst_full = max((r["measured_vs_sim_full"] for r in ok if "measured_vs_sim_full" in r), default=float("nan"))
     print(f"worst measured/simulated over ds_chimera rows: {worst:.3f} (calibrated: compute and ping-pong latency), "
-          f"{worst_full:.3f} (full: also a waiting rank's latency and the per-message host time)")
+          f"{worst_full:.3f} (full: also a waiting rank's latency, the per-message host time and the gradient all-reduce)")
 
 
 if __name__ == "__main__":

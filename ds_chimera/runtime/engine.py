@@ -296,8 +296,11 @@ class ScheduledPipelineEngine(PipelineEngine):
     def _start_loss_mean(self, loss_sum, micro_batches: int):
         """Post the loss all-reduce now; the returned function waits for it and gives the mean.
 
-        ``train_batch`` posts it before finishing the gradient syncs and stepping, so its
-        latency (a rendezvous of every rank) overlaps them instead of following them.
+        ``train_batch`` posts it as soon as the rank's last loss of the step is computed, in
+        the program's tail, so its latency (a rendezvous of every rank) overlaps the last
+        backwards, the gradient syncs and the step instead of following them. It is the only
+        collective on the default group during the program, so every rank posts the same
+        collectives in the same order on each group.
         """
         total = torch.zeros(1, dtype=torch.float32, device=self.device)
         if loss_sum is not None:
@@ -330,9 +333,13 @@ class ScheduledPipelineEngine(PipelineEngine):
         batches = self._load_batches(self.micro_batches)
         if self.zero1:
             self._zero1_start()
-        loss_sum, _ = self.executor.run(self.plan.program.ops[self.pipe_rank], batches, train=True,
-                                        scale=1.0 / self.micro_batches, trace=trace)
-        loss_mean = self._start_loss_mean(loss_sum, self.micro_batches)
+        posted = []                          # the loss all-reduce, posted once this rank's losses are known
+
+        def post_loss(loss_sum):
+            posted.append(self._start_loss_mean(loss_sum, self.micro_batches))
+        self.executor.run(self.plan.program.ops[self.pipe_rank], batches, train=True,
+                          scale=1.0 / self.micro_batches, trace=trace, on_losses=post_loss)
+        loss_mean, = posted
         self._finish_grad_syncs()
         if self.zero1:
             self._zero1_finish()             # ZeRO-1 averages into each rank's partition and clips there

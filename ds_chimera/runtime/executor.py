@@ -80,12 +80,15 @@ class StepExecutor:
         self.recv_lookahead = RECV_LOOKAHEAD
 
     def run(self, ops, batches: dict, train: bool, scale: float, trace: bool = False, carry: dict | None = None,
-            mb_base: int = 0, flush: bool = True):
+            mb_base: int = 0, flush: bool = True, on_losses=None):
         """Execute ``ops``. Returns (sum of this rank's micro-batch losses, their count).
 
         ``carry``: per-micro-batch state that outlives the call (a pipeline kept full across
         calls); ``mb_base`` turns the program's call-local micro-batch ids into the global ids
         that label messages, so a message sent in one call is received in the next.
+        ``on_losses(loss_sum)`` is called once, as soon as this rank's last loss of the call is
+        known (at the start on a rank that computes none), so the loss all-reduce can run
+        during the rest of the program instead of after it.
         """
         global current_action
         ctx, placement = self.ctx, self.placement
@@ -110,6 +113,10 @@ class StepExecutor:
             posted_upto = max(posted_upto, upto)
 
         post_ahead(self.recv_lookahead)
+        losses_left = sum(1 for op in ops if type(op) is Action and op[0] == FORWARD
+                          and placement.next_chunk(op[1]) is None) if on_losses is not None else -1
+        if losses_left == 0:
+            on_losses(None)
         for op in ops:
             if type(op) is Action:
                 current_action = op
@@ -146,6 +153,9 @@ class StepExecutor:
                             value = out.detach().float()
                             loss_sum = value if loss_sum is None else loss_sum + value
                             loss_count += 1
+                        losses_left -= 1
+                        if losses_left == 0:
+                            on_losses(loss_sum)
                     if train or placement.next_chunk(c) is not None:
                         outputs[(c, mb)] = out
                 elif kind in (BACKWARD, INPUT_GRAD):
