@@ -17,11 +17,10 @@ vCPU that went idle. The forward's deadline counts from the layer's entry, so it
 autograd bookkeeping is inside F; each backward path's deadline counts from its entry.
 
 The spun tail is short (0.5 ms) and yields the core at every turn. Four ranks share two
-cores, so spinning ranks compete for them: with a 1 ms spin that did not yield, one
-hold in ten came back 0.4-0.5 ms late inside a pipeline step (0.1 ms one-by-one), and the
-timed layers, not the schedule or the runtime, cost every row about 1.5% of its step
-(``step_breakdown.py``: 1.095-1.099x ideal with that spin, 1.066-1.076x with this one, for
-the same schedule and runtime).
+cores, so spinning ranks compete for them: with a 1 ms spin that did not yield, one hold
+in ten came back 0.4-0.5 ms late inside a pipeline step, and the timed layers, not the
+schedule or the runtime, cost the step 2-3% (``step_breakdown.py``, chimera zero-bubble
+with two pipelines at N = 8: 1.095-1.099x ideal with that spin, 1.066-1.076x with this one).
 """
 import os
 import time
