@@ -45,7 +45,7 @@ def worker(args):
         threads = int(next(line for line in fh if line.startswith("Threads")).split()[1])
     transport = "a gloo device per group" if args.device_per_group else "one gloo device"
     row = {"idle_engines": len(idle), "vs_ideal": step / (N * 3 * COST_S), "threads": threads,
-           "transport": transport}
+           "device_per_group": args.device_per_group}
     if rank == 0:
         print(f"  idle {len(idle):>3} engines, {transport:<23}, {threads:>4} threads per process: "
               f"{row['vs_ideal']:.3f} x ideal", flush=True)
@@ -84,8 +84,8 @@ def summarise(rows):
         got = [r["vs_ideal"] for r in rows if pick(r)]
         return f"{min(got):.3f}-{max(got):.3f}"
     print(f"alone {span(lambda r: r['idle_engines'] == 0)} x ideal; beside idle engines, a gloo device per group "
-          f"{span(lambda r: r['idle_engines'] > 0 and r['transport'] != 'one gloo device')}, one gloo device "
-          f"{span(lambda r: r['idle_engines'] > 0 and r['transport'] == 'one gloo device')}")
+          f"{span(lambda r: r['idle_engines'] > 0 and r['device_per_group'])}, one gloo device "
+          f"{span(lambda r: r['idle_engines'] > 0 and not r['device_per_group'])}")
 
 
 if __name__ == "__main__":

@@ -157,11 +157,12 @@ def worker(args):
                 continue
             sim0 = simulate(program, Costs(fwd=COST_S, bwd=2 * COST_S, wgrad=COST_S)).makespan
             sim = simulate(program, calibrated_costs).makespan
-            sim_full = simulate(program, full_costs(program)).makespan
+            program_full_costs = full_costs(program)
+            sim_full = simulate(program, program_full_costs).makespan
             row.update({"sim_nocomm_vs_ideal": sim0 / ideal, "sim_vs_ideal": sim / ideal, "measured_vs_sim": median / sim,
                         "sim_full_vs_ideal": sim_full / ideal, "measured_vs_sim_full": median / sim_full,
                         "latency_s": cost["latency"], "waiting_latency_s": cost["waiting"], "send_s": cost["send"],
-                        "recv_s": cost["recv"], "allreduce_s": full_costs(program).allreduce,
+                        "recv_s": cost["recv"], "allreduce_s": program_full_costs.allreduce,
                         "layer_costs_s": [cost["f"], cost["i"], cost["w"]]})
             rows.append(row)
             if rank == 0:
