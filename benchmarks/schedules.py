@@ -9,9 +9,9 @@ entry layer first, see ``timed_model``). For each
 schedule it prints the median step time over ideal = N * (F + I + W), and the simulator's
 prediction for the same program: with nominal costs, "calibrated" (the layers' measured costs
 and the ping-pong latency) and "full" (also the latency to a rank that has been waiting, the
-runtime's per-message host time, and the time of a gradient all-reduce over the program's
-replica groups, each measured apart from the steps, just before and just after each N's
-rows; the mean of the two is used). In the same invocation it runs
+runtime's per-message host time, and the time of the runtime's gradient all-reduce over the
+program's replica groups to its last member, each measured apart from the steps, just
+before and just after each N's rows; the mean of the two is used). In the same invocation it runs
 DeepSpeed's stock TrainSchedule (1F1B) and DualPipeV engines, and torch.distributed.pipelining's
 GPipe, 1F1B, LoopedBFS, Interleaved1F1B, ZBV and DualPipeV schedules on the same layers,
 and a few schedules through ds_chimera's Megatron-Core contract (``ds_chimera.megatron``).
@@ -346,31 +346,33 @@ def p2p_waiting_latency(dist, torch, rank, idle_s: float, rounds=40):
 
 
 def allreduce_time(dist, torch, rank, group, ranks: tuple, idle_s: float, rounds=30):
-    """Median time of a small gradient all-reduce over ``ranks`` from its last member's post.
+    """Median time of a small gradient sync over ``ranks`` (the runtime's own all-reduce), from
+    its last member's post to the moment every member holds the result.
 
     A replica's gradient sync completes only after its last member posts it, and the others
-    are waiting by then (the simulator's ``allreduce`` cost). So every member but the last
-    posts and waits; the last one idles ``idle_s`` first, like a rank finishing its last
-    backward, and times its own post to completion. Ranks outside ``ranks`` only join the
-    barriers.
+    are waiting by then; the step ends when the slowest member has the result (the
+    simulator's ``allreduce`` cost). So every member but the last posts and waits; the last
+    one idles ``idle_s`` first, like a rank finishing its last backward. Each member stamps
+    its result's arrival (``time.perf_counter``: one clock for the processes of a machine).
+    Ranks outside ``ranks`` only join the barriers and the stamps' reduction.
     """
+    from ds_chimera.runtime.allreduce import allreduce_async
     last = ranks[-1]
     grads = torch.zeros(4)
     times = []
     for _ in range(rounds):
         dist.barrier()
-        if rank not in ranks:
-            continue
-        if rank == last:
-            time.sleep(idle_s)
-            start = time.perf_counter()
-            dist.all_reduce(grads, group=group)
-            times.append(time.perf_counter() - start)
-        else:
-            dist.all_reduce(grads, group=group)
-    value = torch.tensor([statistics.median(times) if times else 0.0], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)      # only the last members measured
-    return float(value)
+        posted = done = 0.0
+        if rank in ranks:
+            if rank == last:
+                time.sleep(idle_s)
+            posted = time.perf_counter()
+            allreduce_async(grads, group, "the timed gradient sync").wait()
+            done = time.perf_counter()
+        stamps = torch.tensor([posted if rank == last else 0.0, done], dtype=torch.float64)
+        dist.all_reduce(stamps, op=dist.ReduceOp.MAX)
+        times.append(float(stamps[1] - stamps[0]))
+    return statistics.median(times)
 
 
 def sync_group_size(program) -> int:
