@@ -9,9 +9,9 @@ entry layer first, see ``timed_model``). For each
 schedule it prints the median step time over ideal = N * (F + I + W), and the simulator's
 prediction for the same program: with nominal costs, "calibrated" (the layers' measured costs
 and the ping-pong latency) and "full" (also the latency to a rank that has been waiting, the
-runtime's per-message host time, and the time of the runtime's gradient all-reduce over the
-program's replica groups to its last member, each measured apart from the steps, just
-before and just after each N's rows; the mean of the two is used). In the same invocation it runs
+runtime's per-message host time, and the time of a gradient sync over the program's replica
+groups to its last member and the host time of its post, each measured apart from the
+steps, just before and just after each N's rows; the mean of the two is used). In the same invocation it runs
 DeepSpeed's stock TrainSchedule (1F1B) and DualPipeV engines, and torch.distributed.pipelining's
 GPipe, 1F1B, LoopedBFS, Interleaved1F1B, ZBV and DualPipeV schedules on the same layers,
 and a few schedules through ds_chimera's Megatron-Core contract (``ds_chimera.megatron``).
@@ -78,18 +78,22 @@ def worker(args):
         waiting = p2p_waiting_latency(dist, torch, rank, idle_s=layer_s)
         send_s, recv_s, late_recv_s = p2p_host_costs(dist, torch, rank)
         mine = next(ranks for ranks in pair_groups if rank in ranks)
-        allreduce = {2: allreduce_time(dist, torch, rank, pair_groups[mine], mine, idle_s=layer_s),
-                     world: allreduce_time(dist, torch, rank, None, tuple(range(world)), idle_s=layer_s)}
+        (pair_s, pair_post), (world_s, world_post) = (
+            allreduce_time(dist, torch, rank, pair_groups[mine], mine, idle_s=layer_s),
+            allreduce_time(dist, torch, rank, None, tuple(range(world)), idle_s=layer_s))
+        allreduce = {2: pair_s, world: world_s}
         f_s, i_s, w_s = calibrate(torch, TimedLayer, layer_s, LAYERS // world, WIDTH)
         if rank == 0:
             print(f"  measured {when}: one-way p2p latency {latency * 1e3:.2f} ms ping-pong, {waiting * 1e3:.2f} ms to "
                   f"a rank that has waited {layer_s * 1e3:.0f} ms; P2P host time per message: send "
                   f"{send_s * 1e3:.3f} ms, receive posted early {recv_s * 1e3:.3f} ms (posted when needed "
-                  f"{late_recv_s * 1e3:.3f} ms); gradient all-reduce over 2 ranks {allreduce[2] * 1e3:.2f} ms, over "
-                  f"{world} {allreduce[world] * 1e3:.2f} ms; timed-layer costs per rank share: F {f_s * 1e3:.2f} ms, "
+                  f"{late_recv_s * 1e3:.3f} ms); gradient sync over 2 ranks {allreduce[2] * 1e3:.2f} ms, over "
+                  f"{world} {allreduce[world] * 1e3:.2f} ms to every member, its post {pair_post * 1e3:.3f} / "
+                  f"{world_post * 1e3:.3f} ms; timed-layer costs per rank share: F {f_s * 1e3:.2f} ms, "
                   f"I {i_s * 1e3:.2f} ms, W {w_s * 1e3:.2f} ms (nominal {COST_S * 1e3:.0f} each)", flush=True)
         return {"latency": latency, "waiting": waiting, "send": send_s, "recv": recv_s, "f": f_s, "i": i_s, "w": w_s,
-                "allreduce_2": allreduce[2], "allreduce_world": allreduce[world]}
+                "allreduce_2": allreduce[2], "allreduce_world": allreduce[world], "sync_post_2": pair_post,
+                "sync_post_world": world_post}
 
     def data(n):
         return random_batches(torch, WIDTH, n)
@@ -145,9 +149,10 @@ def worker(args):
 
         def full_costs(program):
             size = sync_group_size(program)
-            allreduce = 0.0 if size < 2 else cost["allreduce_2"] if size == 2 else cost["allreduce_world"]
+            group = None if size < 2 else "2" if size == 2 else "world"
             return Costs(fwd=cost["f"], bwd=cost["i"] + cost["w"], wgrad=cost["w"], comm=cost["waiting"],
-                         send=cost["send"], recv=cost["recv"], allreduce=allreduce)
+                         send=cost["send"], recv=cost["recv"], allreduce=cost[f"allreduce_{group}"] if group else 0.0,
+                         sync_post=cost[f"sync_post_{group}"] if group else 0.0)
         for (runtime, name, _, program), median in zip(entries, medians):
             row = {"runtime": runtime, "schedule": name, "N": n, "step_s": median, "vs_ideal": median / ideal}
             if program is None:
@@ -163,6 +168,7 @@ def worker(args):
                         "sim_full_vs_ideal": sim_full / ideal, "measured_vs_sim_full": median / sim_full,
                         "latency_s": cost["latency"], "waiting_latency_s": cost["waiting"], "send_s": cost["send"],
                         "recv_s": cost["recv"], "allreduce_s": program_full_costs.allreduce,
+                        "sync_post_s": program_full_costs.sync_post,
                         "layer_costs_s": [cost["f"], cost["i"], cost["w"]]})
             rows.append(row)
             if rank == 0:
@@ -345,34 +351,40 @@ def p2p_waiting_latency(dist, torch, rank, idle_s: float, rounds=40):
     return float(value)
 
 
-def allreduce_time(dist, torch, rank, group, ranks: tuple, idle_s: float, rounds=30):
-    """Median time of a small gradient sync over ``ranks`` (the runtime's own all-reduce), from
-    its last member's post to the moment every member holds the result.
+def allreduce_time(dist, torch, rank, group, ranks: tuple, idle_s: float, rounds=30) -> tuple:
+    """Median times of a stage's gradient sync over ``ranks`` (the runtime's ``FlatGradAllReduce``
+    on a timed chunk's gradients): (from its last member's post to the moment every member
+    holds the result, the post itself).
 
     A replica's gradient sync completes only after its last member posts it, and the others
     are waiting by then; the step ends when the slowest member has the result (the
     simulator's ``allreduce`` cost). So every member but the last posts and waits; the last
-    one idles ``idle_s`` first, like a rank finishing its last backward. Each member stamps
-    its result's arrival (``time.perf_counter``: one clock for the processes of a machine).
-    Ranks outside ``ranks`` only join the barriers and the stamps' reduction.
+    one idles ``idle_s`` first, like a rank finishing its last backward, and its post's own
+    time is the simulator's ``sync_post``. Each member stamps its result's arrival
+    (``time.perf_counter``: one clock for the processes of a machine). Ranks outside
+    ``ranks`` only join the barriers and the stamps' reduction.
     """
-    from ds_chimera.runtime.allreduce import allreduce_async
+    from ds_chimera.runtime.gradsync import FlatGradAllReduce
     last = ranks[-1]
-    grads = torch.zeros(4)
-    times = []
+    grads = [torch.zeros(1) for _ in range(3)]         # a timed chunk's gradients: one element per layer
+    times, posts = [], []
     for _ in range(rounds):
         dist.barrier()
-        posted = done = 0.0
+        posted = returned = done = 0.0
         if rank in ranks:
             if rank == last:
                 time.sleep(idle_s)
             posted = time.perf_counter()
-            allreduce_async(grads, group, "the timed gradient sync").wait()
+            sync = FlatGradAllReduce(grads, group, "the timed gradient sync")
+            returned = time.perf_counter()
+            sync.finish(60.0)
             done = time.perf_counter()
-        stamps = torch.tensor([posted if rank == last else 0.0, done], dtype=torch.float64)
+        mine = rank == last
+        stamps = torch.tensor([posted if mine else 0.0, returned - posted if mine else 0.0, done], dtype=torch.float64)
         dist.all_reduce(stamps, op=dist.ReduceOp.MAX)
-        times.append(float(stamps[1] - stamps[0]))
-    return statistics.median(times)
+        times.append(float(stamps[2] - stamps[0]))
+        posts.append(float(stamps[1]))
+    return statistics.median(times), statistics.median(posts)
 
 
 def sync_group_size(program) -> int:
@@ -569,7 +581,7 @@ def summarise(rows):
     worst = max((r["measured_vs_sim"] for r in ok if "measured_vs_sim" in r), default=float("nan"))
     worst_full = max((r["measured_vs_sim_full"] for r in ok if "measured_vs_sim_full" in r), default=float("nan"))
     print(f"worst measured/simulated over ds_chimera rows: {worst:.3f} (calibrated: compute and ping-pong latency), "
-          f"{worst_full:.3f} (full: also a waiting rank's latency, the per-message host time and the gradient all-reduce)")
+          f"{worst_full:.3f} (full: also a waiting rank's latency, the per-message host time, the gradient sync and its post)")
 
 
 if __name__ == "__main__":

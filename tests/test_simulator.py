@@ -1,4 +1,6 @@
 """The simulator catches broken programs: deadlock, missing, duplicated and out-of-order work."""
+import pytest
+
 from ds_chimera.schedules import Action, CommBatch, Message, OptimizerStep, Placement, Program, build, lower
 from ds_chimera.schedules.actions import BACKWARD, FORWARD
 from ds_chimera.sim import Costs, simulate
@@ -97,3 +99,20 @@ def test_missing_gradient_sync_of_a_replicated_stage_is_reported():
         ops[:] = [op for op in ops if not isinstance(op, GradSync)]
     errors = simulate(program).errors
     assert any("never posts the gradient sync of replicated stage" in e for e in errors)
+
+
+def test_gradient_sync_costs_lengthen_the_step():
+    # chimera, D = N = 2 (unit costs: F 1, B 2): each rank posts stage 1's sync after its first
+    # backward and stage 0's after its last, at 4 and 6; the optimizer step waits for both
+    program = build("chimera", 2, 2).lower()
+    assert simulate(program, Costs()).makespan == 6.0
+    assert simulate(program, Costs(allreduce=0.5)).makespan == 6.5      # the last sync is done 0.5 after its post
+    posted = simulate(program, Costs(sync_post=0.25))                    # each post holds its rank 0.25
+    assert sorted(post for (_, _, post, _) in posted.sync_records) == [4.25, 4.25, 6.5, 6.5]
+    assert posted.makespan == 6.5
+    assert simulate(program, Costs(allreduce=0.5, sync_post=0.25)).makespan == 7.0
+
+
+def test_a_negative_sync_post_cost_is_refused():
+    with pytest.raises(ValueError, match="sync_post must be a number >= 0, got -0.1"):
+        Costs(sync_post=-0.1)

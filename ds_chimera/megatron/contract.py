@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
-from ..runtime.allreduce import TOKENS_KEY, allreduce_async
 from ..runtime.executor import StepExecutor, _to_device
 from ..runtime.gradsync import FlatGradAllReduce
 from ..runtime.p2p import LOSS_TAG, P2P, post_or_fail, wait_or_fail
@@ -246,8 +245,7 @@ class _MegatronStep:
         params = [p for p in chunk.parameters() if p.requires_grad]
         if not params:
             return
-        self.pending.append(FlatGradAllReduce([self._grad(p) for p in params], group, f"stage {stage}'s replicas",
-                                              key=stage))
+        self.pending.append(FlatGradAllReduce([self._grad(p) for p in params], group, f"stage {stage}'s replicas"))
 
     def finish_grad_syncs(self) -> None:
         for sync in self.pending:
@@ -450,8 +448,8 @@ class ScheduleRunner:
             if getattr(config, "calculate_per_token_loss", False):
                 # tokens are counted wherever a loss stage ran (two ranks under Chimera)
                 total = step.num_tokens.to(device)        # NCCL reduces device tensors only
-                wait_or_fail(lambda: allreduce_async(total, group, "the token-count all-reduce", TOKENS_KEY),
-                             self.timeout_s, "the token-count all-reduce")
+                wait_or_fail(lambda: dist.all_reduce(total, group=group, async_op=True), self.timeout_s,
+                             "the token-count all-reduce")
                 num_tokens = total
             if config.finalize_model_grads_func is not None:
                 config.finalize_model_grads_func(chunks, num_tokens, pg_collection=pg_collection,

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from ..optim.bf16 import BF16MasterView
 from ..optim.predictors import predictor_for
 from ..optim.versions import WeightVersions
-from .allreduce import LOSS_KEY, allreduce_async
 from .engine import ScheduledPipelineEngine
 from .p2p import LOSS_TAG
 
@@ -183,8 +182,7 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
             if loss_sum is not None:
                 value += loss_sum.reshape(-1)[:1].to(value.dtype)
             if self.dp_size > 1:
-                self.p2p._wait(lambda: allreduce_async(value, self.grid.get_data_parallel_group(),
-                                                       "the loss all-reduce of the last stage", LOSS_KEY),
+                self.p2p._wait(lambda: dist.all_reduce(value, group=self.grid.get_data_parallel_group(), async_op=True),
                                "the loss all-reduce of the last stage")
             value /= micro_batches * self.dp_size
             for work, _ in getattr(self, "_loss_sends", []):

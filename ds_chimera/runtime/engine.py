@@ -21,9 +21,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import TiedLayerSpec
 
 from .executor import StepExecutor, _to_device
-from .allreduce import LOSS_KEY, NORM_KEY, TIED_SYNC_KEY, allreduce_async
 from .gradsync import FlatGradAllReduce
-from .p2p import P2P
+from .p2p import P2P, post_or_fail
 
 log = logging.getLogger("ds_chimera")
 LAYOUT_FILE = "ds_chimera_layout.json"
@@ -177,7 +176,7 @@ class ScheduledPipelineEngine(PipelineEngine):
         """Post the all-reduce of one stage's gradients; called by the program right after its last backward."""
         chunk = self.chunk_modules[self.stage_chunk[stage]]
         group = self.stage_groups.get(stage)
-        self._post_allreduce(chunk, group, f"stage {stage}", key=stage)
+        self._post_allreduce(chunk, group, f"stage {stage}")
         if self.zero1 and group is None and self.plan.zero1_reduce == "chunk":
             self._zero1_reduce(chunk.parameters())
             self.zero1_early_chunks += 1
@@ -228,7 +227,7 @@ class ScheduledPipelineEngine(PipelineEngine):
         opt.set_gradient_accumulation_boundary(True)
         opt.overlapping_partition_gradients_reduce_epilogue()
 
-    def _post_allreduce(self, module, group, what: str, key: int) -> None:
+    def _post_allreduce(self, module, group, what: str) -> None:
         """Start an async all-reduce of ``module``'s gradients, flattened; _finish_grad_syncs waits."""
         params = [p for p in module.parameters() if p.requires_grad]
         if group is None or not params:
@@ -237,7 +236,7 @@ class ScheduledPipelineEngine(PipelineEngine):
             for p in params:          # the sum is written back in place: a missing gradient is a zero one
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-        self.pending_syncs.append(FlatGradAllReduce(self._grads(params), group, what, key))
+        self.pending_syncs.append(FlatGradAllReduce(self._grads(params), group, what))
 
     def _grads(self, params) -> list:
         """The gradient each parameter's optimizer reads: fp32 master grads under bf16."""
@@ -246,9 +245,8 @@ class ScheduledPipelineEngine(PipelineEngine):
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
 
     def _finish_grad_syncs(self) -> None:
-        for i, key in enumerate(sorted(self.tied_groups)):
-            self._post_allreduce(self.tied_modules[key], self.tied_groups[key], f"tied weights {key!r}",
-                                 key=TIED_SYNC_KEY + i)
+        for key in sorted(self.tied_groups):
+            self._post_allreduce(self.tied_modules[key], self.tied_groups[key], f"tied weights {key!r}")
         divide_by = self.dp_size if not self.zero1 else 1     # ZeRO-1 averages over data parallel itself
         for sync in self.pending_syncs:
             sync.finish(self.plan.timeout_s, divide_by)
@@ -271,8 +269,7 @@ class ScheduledPipelineEngine(PipelineEngine):
         for g in (self._grads(owned) if self._hp_grads else [p.grad for p in owned]):
             if g is not None:
                 squares += g.detach().double().pow(2).sum()
-        self.p2p._wait(lambda: allreduce_async(squares, self.grid.get_pipe_parallel_group(), "the gradient-norm "
-                                               "all-reduce", NORM_KEY),
+        self.p2p._wait(lambda: dist.all_reduce(squares, group=self.grid.get_pipe_parallel_group(), async_op=True),
                        "the gradient-norm all-reduce")
         return float(squares.sqrt())
 
@@ -308,7 +305,7 @@ class ScheduledPipelineEngine(PipelineEngine):
         total = torch.zeros(1, dtype=torch.float32, device=self.device)
         if loss_sum is not None:
             total += loss_sum.reshape(-1)[:1].to(total.dtype)
-        work = allreduce_async(total, None, "the loss all-reduce", LOSS_KEY)
+        work = post_or_fail(lambda: dist.all_reduce(total, async_op=True), "the loss all-reduce")
 
         def mean():
             self.p2p._wait(work, "the loss all-reduce")

@@ -29,7 +29,9 @@ class Costs:
     ``wgrad`` for W. ``comm`` is the latency of one point-to-point message, ``allreduce``
     the time of one stage's gradient all-reduce. ``send`` and ``recv`` are the rank's own
     time to post one message and to take one that has arrived (the runtime's per-message
-    cost on the host: negligible next to GPU kernels, a visible share on CPU ranks).
+    cost on the host: negligible next to GPU kernels, a visible share on CPU ranks), and
+    ``sync_post`` its own time to post one gradient sync (gather the stage's gradients,
+    post the all-reduce): the rank computes nothing meanwhile.
     """
 
     fwd: float = 1.0
@@ -39,9 +41,10 @@ class Costs:
     allreduce: float = 0.0
     send: float = 0.0
     recv: float = 0.0
+    sync_post: float = 0.0
 
     def __post_init__(self):
-        for name in ("fwd", "bwd", "wgrad", "comm", "allreduce", "send", "recv"):
+        for name in ("fwd", "bwd", "wgrad", "comm", "allreduce", "send", "recv", "sync_post"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"cost {name} must be a number >= 0, got {value!r}")
@@ -291,6 +294,7 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                             error(f"rank {r}: posts the gradient sync of stage {op.stage} before the backward "
                                   f"of micro-batch {mb} on chunk {c}")
                             break
+                t += costs.sync_post          # the all-reduce is under way once its post returns
                 times = posted[r].setdefault(op.stage, [])
                 skey = (op.stage, len(times))
                 times.append(t)
