@@ -42,6 +42,7 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost-allreduce", type=float, default=0.0, help="time of one stage's grad all-reduce")
     p.add_argument("--cost-send", type=float, default=0.0, help="sender's own time to post one p2p message")
     p.add_argument("--cost-recv", type=float, default=0.0, help="receiver's own time to take one arrived message")
+    p.add_argument("--cost-sync-post", type=float, default=0.0, help="a rank's own time to post one gradient sync")
     p.add_argument("--max-activations", type=float, help="with --schedule auto: peak activation limit")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
@@ -87,7 +88,7 @@ def cmd_kernels(args) -> int:
 
 def cmd_simulate(args) -> int:
     costs = Costs(args.cost_fwd, args.cost_bwd, args.cost_wgrad, args.cost_comm, args.cost_allreduce,
-                  args.cost_send, args.cost_recv)
+                  args.cost_send, args.cost_recv, args.cost_sync_post)
     if args.schedule == "auto":
         return _rank_all(args, costs)
     schedule, result = _simulate_one(args.schedule, args, costs)

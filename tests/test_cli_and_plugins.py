@@ -37,6 +37,16 @@ def test_simulate_takes_host_costs_per_message(capsys):
     assert makespan("--cost-send", "0.1", "--cost-recv", "0.2") == 7.6
 
 
+def test_simulate_takes_the_gradient_sync_post_cost(capsys):
+    def makespan(*extra):
+        assert cli.main(["simulate", "--schedule", "chimera", "--order", "concat", "--stages", "2",
+                         "--micro-batches", "2", "--cost-fwd", "1", "--cost-bwd", "2", *extra, "--json"]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["makespan"]
+    # each rank posts two syncs (stage 1's after its first backward, stage 0's after its last)
+    assert makespan() == 6.0
+    assert makespan("--cost-sync-post", "0.25") == 6.5
+
+
 def test_simulate_writes_trace_and_plot(tmp_path, capsys):
     trace, png = tmp_path / "t.json", tmp_path / "g.png"
     assert cli.main(["simulate", "--schedule", "chimera", "--stages", "4", "--micro-batches", "8",
