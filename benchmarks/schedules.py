@@ -11,10 +11,11 @@ prediction for the same program: with nominal costs, "calibrated" (the layers' m
 and the ping-pong latency) and "full" (also the latency to a rank that has been waiting, the
 runtime's per-message host time, and the time of a gradient sync over the program's replica
 groups to its last member and the host time of its post, each measured apart from the
-steps, just before and just after each N's rows; the mean of the two is used). In the same invocation it runs
-DeepSpeed's stock TrainSchedule (1F1B) and DualPipeV engines, and torch.distributed.pipelining's
-GPipe, 1F1B, LoopedBFS, Interleaved1F1B, ZBV and DualPipeV schedules on the same layers,
-and a few schedules through ds_chimera's Megatron-Core contract (``ds_chimera.megatron``).
+steps, just before and just after each N's rows; the mean of the two is used). In the same
+invocation it runs DeepSpeed's stock TrainSchedule (1F1B) and DualPipeV engines,
+torch.distributed.pipelining's GPipe, 1F1B, LoopedBFS, Interleaved1F1B, ZBV and DualPipeV
+schedules on the same layers, and a few schedules through ds_chimera's Megatron-Core
+contract (``ds_chimera.megatron``).
 For each N every row is built first, then the rows take turns, one step each per round, so
 a burst of load on the shared host hits them alike.
 The last line is a JSON object with every row.
