@@ -21,6 +21,11 @@ ideal = N * (F + I + W) with the nominal costs:
 6. the untraced engine's median step: adds the end of the step (gradient syncs, optimizer
    step, the loss all-reduce).
 
+Then the gaps between each rank's consecutive ops, in the traced steps and in the simulation
+with calibrated costs and the waiting latency: per rank in all, and between two weight-grad
+ops, where no message is awaited (a rank's host work between ops shows there: after a
+stage's last W the runtime posts its gradient sync, the simulator's ``sync_post``).
+
 Medians over the traced steps. A diagnosis, not a ranking: ``schedules.py`` compares runtimes.
 """
 import argparse
@@ -35,6 +40,15 @@ sys.path.insert(0, HERE)
 from ranks import launch, report, save_rows  # noqa: E402
 from schedules import COST_S, LAYERS, calibrate, ds_config, init_timed_model, median_steps_in_turn, \
     p2p_waiting_latency, random_batches, timed_engine  # noqa: E402
+
+
+def op_gaps(records) -> tuple:
+    """(sum of the gaps between consecutive ops, the gaps between two W ops) of one rank's records."""
+    ops = sorted(records, key=lambda rec: rec[-2])
+    pairs = list(zip(ops, ops[1:]))
+    gaps = [b[-2] - a[-1] for a, b in pairs]
+    ww = [gap for (a, b), gap in zip(pairs, gaps) if a[1] == b[1] == "W"]
+    return sum(gaps), ww
 
 
 def worker(args):
@@ -75,6 +89,8 @@ def worker(args):
     program, placement, orders = engines[0].plan.program, engines[0].placement, engines[0].schedule.orders
     nominal = simulate(program, Costs(fwd=COST_S, bwd=2 * COST_S, wgrad=COST_S)).makespan
     calibrated = simulate(program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s)).makespan
+    with_latency = simulate(program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=waiting))
+    sim_gaps = [op_gaps([rec for rec in with_latency.records if rec[0] == r]) for r in range(world)]
     # one rank's share; a chunk pays it x its size
     calibrated_op = {FORWARD: f_s, BACKWARD: i_s + w_s, INPUT_GRAD: i_s, WEIGHT_GRAD: w_s}
     rows = []
@@ -86,7 +102,10 @@ def worker(args):
                 last_end = max(last_end, end)
         replay = compute_timing(placement, orders, Costs(), durations=durations)[0]
         replay_comm = compute_timing(placement, orders, Costs(comm=waiting), durations=durations)[0]
-        row = {"replay": replay, "replay_comm": replay_comm, "last_op_end": last_end}
+        gaps = [op_gaps(per_rank[step]) for per_rank in gathered]
+        row = {"replay": replay, "replay_comm": replay_comm, "last_op_end": last_end,
+               "gap_per_rank_s": statistics.mean(total for total, _ in gaps),
+               "ww_gap_s": statistics.median(g for _, ww in gaps for g in ww) if any(ww for _, ww in gaps) else 0.0}
         for kind in calibrated_op:
             took = [d for (k, _, _), d in durations.items() if k == kind]
             if took:
@@ -99,7 +118,11 @@ def worker(args):
               "calibrated": calibrated / ideal, **{k: v for k, v in med.items() if k.endswith("_vs_calibrated")},
               "replay": med["replay"] / ideal, "replay_comm": med["replay_comm"] / ideal,
               "last_op_end": med["last_op_end"] / ideal, "step_traced": medians[0] / ideal,
-              "step": medians[1] / ideal, "waiting_latency_s": waiting, "layer_costs_s": [f_s, i_s, w_s]}
+              "step": medians[1] / ideal, "waiting_latency_s": waiting, "layer_costs_s": [f_s, i_s, w_s],
+              "gap_per_rank_s": med["gap_per_rank_s"], "ww_gap_s": med["ww_gap_s"],
+              "sim_gap_per_rank_s": statistics.mean(total for total, _ in sim_gaps),
+              "sim_ww_gap_s": statistics.median(g for _, ww in sim_gaps for g in ww) if any(ww for _, ww in sim_gaps)
+              else 0.0}
     if rank == 0:
         label = args.schedule + (" " + json.dumps(options) if options else "")
         print(f"  breakdown {label}, N={n}, 4 ranks; ratios over ideal = N x 3 x {COST_S * 1e3:.0f} ms "
@@ -116,6 +139,10 @@ def worker(args):
         ]
         for text, value in lines:
             print(f"  breakdown   {value:6.3f}  {text}", flush=True)
+        print(f"  breakdown gaps between a rank's consecutive ops: {result['gap_per_rank_s'] * 1e3:.2f} ms per rank "
+              f"in the step, {result['sim_gap_per_rank_s'] * 1e3:.2f} ms simulated (calibrated costs, latency); "
+              f"between two W ops: {result['ww_gap_s'] * 1e3:.2f} ms each, "
+              f"{result['sim_ww_gap_s'] * 1e3:.2f} ms simulated", flush=True)
     save_rows(dist, [result], args.out)
 
 
