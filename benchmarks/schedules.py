@@ -79,22 +79,20 @@ def worker(args):
         waiting = p2p_waiting_latency(dist, torch, rank, idle_s=layer_s)
         send_s, recv_s, late_recv_s = p2p_host_costs(dist, torch, rank)
         mine = next(ranks for ranks in pair_groups if rank in ranks)
-        (pair_s, pair_post), (world_s, world_post) = (
-            allreduce_time(dist, torch, rank, pair_groups[mine], mine, idle_s=layer_s),
-            allreduce_time(dist, torch, rank, None, tuple(range(world)), idle_s=layer_s))
-        allreduce = {2: pair_s, world: world_s}
+        pair_s, pair_post = allreduce_time(dist, torch, rank, pair_groups[mine], mine, idle_s=layer_s)
+        world_s, world_post = allreduce_time(dist, torch, rank, None, tuple(range(world)), idle_s=layer_s)
         f_s, i_s, w_s = calibrate(torch, TimedLayer, layer_s, LAYERS // world, WIDTH)
         if rank == 0:
             print(f"  measured {when}: one-way p2p latency {latency * 1e3:.2f} ms ping-pong, {waiting * 1e3:.2f} ms to "
                   f"a rank that has waited {layer_s * 1e3:.0f} ms; P2P host time per message: send "
                   f"{send_s * 1e3:.3f} ms, receive posted early {recv_s * 1e3:.3f} ms (posted when needed "
-                  f"{late_recv_s * 1e3:.3f} ms); gradient sync over 2 ranks {allreduce[2] * 1e3:.2f} ms, over "
-                  f"{world} {allreduce[world] * 1e3:.2f} ms to every member, its post {pair_post * 1e3:.3f} / "
+                  f"{late_recv_s * 1e3:.3f} ms); gradient sync over 2 ranks {pair_s * 1e3:.2f} ms, over "
+                  f"{world} {world_s * 1e3:.2f} ms to every member, its post {pair_post * 1e3:.3f} / "
                   f"{world_post * 1e3:.3f} ms; timed-layer costs per rank share: F {f_s * 1e3:.2f} ms, "
                   f"I {i_s * 1e3:.2f} ms, W {w_s * 1e3:.2f} ms (nominal {COST_S * 1e3:.0f} each)", flush=True)
         return {"latency": latency, "waiting": waiting, "send": send_s, "recv": recv_s, "f": f_s, "i": i_s, "w": w_s,
-                "allreduce_2": allreduce[2], "allreduce_world": allreduce[world], "sync_post_2": pair_post,
-                "sync_post_world": world_post}
+                "allreduce_2": pair_s, f"allreduce_{world}": world_s, "sync_post_2": pair_post,
+                f"sync_post_{world}": world_post}
 
     def data(n):
         return random_batches(torch, WIDTH, n)
@@ -149,11 +147,11 @@ def worker(args):
         calibrated_costs = Costs(fwd=cost["f"], bwd=cost["i"] + cost["w"], wgrad=cost["w"], comm=cost["latency"])
 
         def full_costs(program):
-            size = sync_group_size(program)
-            group = None if size < 2 else "2" if size == 2 else "world"
+            size = sync_group_size(program)       # syncs over 2 ranks (Chimera's pairs) or over every rank
+            measured = 2 if size == 2 else world
+            sync = {name: cost[f"{name}_{measured}"] if size > 1 else 0.0 for name in ("allreduce", "sync_post")}
             return Costs(fwd=cost["f"], bwd=cost["i"] + cost["w"], wgrad=cost["w"], comm=cost["waiting"],
-                         send=cost["send"], recv=cost["recv"], allreduce=cost[f"allreduce_{group}"] if group else 0.0,
-                         sync_post=cost[f"sync_post_{group}"] if group else 0.0)
+                         send=cost["send"], recv=cost["recv"], **sync)
         for (runtime, name, _, program), median in zip(entries, medians):
             row = {"runtime": runtime, "schedule": name, "N": n, "step_s": median, "vs_ideal": median / ideal}
             if program is None:

@@ -51,6 +51,12 @@ def op_gaps(records) -> tuple:
     return sum(gaps), ww
 
 
+def gap_summary(per_rank: list) -> tuple:
+    """(mean over ranks of the gaps' sum, median gap between two W ops, 0 if none) of ``op_gaps`` per rank."""
+    ww = [gap for _, gaps in per_rank for gap in gaps]
+    return statistics.mean(total for total, _ in per_rank), statistics.median(ww) if ww else 0.0
+
+
 def worker(args):
     import torch
     import torch.distributed as dist
@@ -90,7 +96,8 @@ def worker(args):
     nominal = simulate(program, Costs(fwd=COST_S, bwd=2 * COST_S, wgrad=COST_S)).makespan
     calibrated = simulate(program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s)).makespan
     with_latency = simulate(program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=waiting))
-    sim_gaps = [op_gaps([rec for rec in with_latency.records if rec[0] == r]) for r in range(world)]
+    sim_gap_per_rank, sim_ww_gap = gap_summary([op_gaps([rec for rec in with_latency.records if rec[0] == r])
+                                                 for r in range(world)])
     # one rank's share; a chunk pays it x its size
     calibrated_op = {FORWARD: f_s, BACKWARD: i_s + w_s, INPUT_GRAD: i_s, WEIGHT_GRAD: w_s}
     rows = []
@@ -102,10 +109,9 @@ def worker(args):
                 last_end = max(last_end, end)
         replay = compute_timing(placement, orders, Costs(), durations=durations)[0]
         replay_comm = compute_timing(placement, orders, Costs(comm=waiting), durations=durations)[0]
-        gaps = [op_gaps(per_rank[step]) for per_rank in gathered]
+        gap_per_rank, ww_gap = gap_summary([op_gaps(per_rank[step]) for per_rank in gathered])
         row = {"replay": replay, "replay_comm": replay_comm, "last_op_end": last_end,
-               "gap_per_rank_s": statistics.mean(total for total, _ in gaps),
-               "ww_gap_s": statistics.median(g for _, ww in gaps for g in ww) if any(ww for _, ww in gaps) else 0.0}
+               "gap_per_rank_s": gap_per_rank, "ww_gap_s": ww_gap}
         for kind in calibrated_op:
             took = [d for (k, _, _), d in durations.items() if k == kind]
             if took:
@@ -120,9 +126,7 @@ def worker(args):
               "last_op_end": med["last_op_end"] / ideal, "step_traced": medians[0] / ideal,
               "step": medians[1] / ideal, "waiting_latency_s": waiting, "layer_costs_s": [f_s, i_s, w_s],
               "gap_per_rank_s": med["gap_per_rank_s"], "ww_gap_s": med["ww_gap_s"],
-              "sim_gap_per_rank_s": statistics.mean(total for total, _ in sim_gaps),
-              "sim_ww_gap_s": statistics.median(g for _, ww in sim_gaps for g in ww) if any(ww for _, ww in sim_gaps)
-              else 0.0}
+              "sim_gap_per_rank_s": sim_gap_per_rank, "sim_ww_gap_s": sim_ww_gap}
     if rank == 0:
         label = args.schedule + (" " + json.dumps(options) if options else "")
         print(f"  breakdown {label}, N={n}, 4 ranks; ratios over ideal = N x 3 x {COST_S * 1e3:.0f} ms "
