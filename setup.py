@@ -17,20 +17,6 @@ class BuildPyWithKernelSources(build_py):
         for source in glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "*.cpp")):
             shutil.copy(source, target)
 
-SCHEDULES = [
-    "gpipe = ds_chimera.schedules.classic:GPipe",
-    "1f1b = ds_chimera.schedules.classic:OneFOneB",
-    "interleaved = ds_chimera.schedules.looped:Interleaved",
-    "breadth-first = ds_chimera.schedules.looped:BreadthFirst",
-    "chimera = ds_chimera.schedules.chimera:Chimera",
-    "zb-h1 = ds_chimera.schedules.zero_bubble:ZBH1",
-    "zbv = ds_chimera.schedules.zero_bubble:ZBV",
-    "dualpipev = ds_chimera.schedules.dualpipev:DualPipeV",
-    "pipedream = ds_chimera.schedules.asynchronous:PipeDream",
-    "pipedream-2bw = ds_chimera.schedules.asynchronous:PipeDream2BW",
-    "pipeoptim = ds_chimera.schedules.asynchronous:PipeOptim",
-    "spectrain = ds_chimera.schedules.asynchronous:SpecTrain",
-]
 
 setup(
     name="ds_chimera",
@@ -50,7 +36,6 @@ setup(
     cmdclass={"build_py": BuildPyWithKernelSources},
     entry_points={
         "console_scripts": ["ds-chimera = ds_chimera.cli:main"],
-        "ds_chimera.schedules": SCHEDULES,
         "ds_chimera.kernels": [
             "torch = ds_chimera.ops.backends:TorchBackend",
             "cpp = ds_chimera.ops.backends:CppBackend",

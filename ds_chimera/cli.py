@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .schedules import registry
-from .sim.simulator import Costs, simulate
+from .schedules.costs import Costs
+from .sim.simulator import simulate
 
 
 def _schedule_options(cls, args, costs: Costs, flags=("chunks", "pipelines", "order"), strict=True) -> dict:
@@ -29,9 +31,11 @@ def _schedule_options(cls, args, costs: Costs, flags=("chunks", "pipelines", "or
 
 
 def _add_sim_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--schedule", required=True, help="schedule name, or 'auto' to rank them all")
-    p.add_argument("--stages", type=int, required=True, help="pipeline ranks D")
-    p.add_argument("--micro-batches", type=int, required=True, help="micro-batches per step N")
+    p.add_argument("--schedule", help="schedule name, or 'auto' to rank them all")
+    p.add_argument("--program", help="simulate (and plot) a program file instead of a schedule: the text "
+                                     "--dump-program writes, or another solver's output in that format")
+    p.add_argument("--stages", type=int, help="pipeline ranks D")
+    p.add_argument("--micro-batches", type=int, help="micro-batches per step N")
     p.add_argument("--chunks", type=int, help="chunks per rank V (interleaved, breadth-first)")
     p.add_argument("--pipelines", type=int, help="Chimera: down (= up) pipelines f, f | D/2")
     p.add_argument("--order", help="Chimera: auto, concat, forward-doubling, merged or zero-bubble")
@@ -47,13 +51,37 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
     p.add_argument("--plot", help="write a Gantt chart PNG here")
+    p.add_argument("--dump-program", help="write the lowered program (one op per line) here")
 
 
 def _simulate_one(name: str, args, costs: Costs):
-    cls = registry.get(name)
-    schedule = cls(args.stages, args.micro_batches, **_schedule_options(cls, args, costs))
-    result = simulate(schedule.lower(), costs, chunks_per_rank=schedule.chunks_per_rank)
+    if args.program:
+        from .schedules.from_program import ProgramSchedule
+        from .schedules.lowering import Program
+        schedule = ProgramSchedule(Program.load(args.program), args.program)
+    else:
+        cls = registry.get(name)
+        schedule = cls(args.stages, args.micro_batches, **_schedule_options(cls, args, costs))
+    program = schedule.lower()
+    if args.dump_program:
+        program.dump(args.dump_program)
+    result = simulate(program, costs, chunks_per_rank=schedule.chunks_per_rank)
     return schedule, result
+
+
+def _check_target(args) -> None:
+    """Either a program file, or a schedule with its stages and micro-batches."""
+    if args.program:
+        given = [f"--{flag.replace('_', '-')}" for flag in ("schedule", "stages", "micro_batches", "chunks",
+                                                            "pipelines", "order") if getattr(args, flag) is not None]
+        if given:
+            raise ValueError(f"--program takes its ranks, stages and micro-batches from the file; drop {given[0]}")
+        return
+    missing = [f"--{flag.replace('_', '-')}" for flag in ("schedule", "stages", "micro_batches")
+               if getattr(args, flag) is None]
+    if missing:
+        raise ValueError(f"simulate needs --schedule, --stages and --micro-batches (or --program FILE); "
+                         f"missing {', '.join(missing)}")
 
 
 def cmd_schedules(args) -> int:
@@ -87,6 +115,7 @@ def cmd_kernels(args) -> int:
 
 
 def cmd_simulate(args) -> int:
+    _check_target(args)
     costs = Costs(args.cost_fwd, args.cost_bwd, args.cost_wgrad, args.cost_comm, args.cost_allreduce,
                   args.cost_send, args.cost_recv, args.cost_sync_post)
     if args.schedule == "auto":
@@ -202,7 +231,8 @@ def main(argv=None) -> int:
         if args.command == "memory":
             return cmd_memory(args)
         if args.command == "plot" and not args.plot:
-            args.plot = f"{args.schedule}_D{args.stages}_N{args.micro_batches}.png"
+            args.plot = (os.path.splitext(os.path.basename(args.program))[0] + ".png" if args.program else
+                         f"{args.schedule}_D{args.stages}_N{args.micro_batches}.png")
         return cmd_simulate(args)
     except ValueError as exc:
         print(f"ds-chimera: error: {exc}", file=sys.stderr)

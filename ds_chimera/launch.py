@@ -69,7 +69,7 @@ def _check_megatron_schedule(name: str, options) -> str | None:
         parsed = json.loads(options) if options else {}
         if not isinstance(parsed, dict):
             return f"--pipeline-schedule-options must be a JSON object, got {options!r}"
-        registry.check_choice(name, parsed, caller_steps=True)
+        registry.checked(name, parsed, caller_steps=True)
     except (ValueError, json.JSONDecodeError) as exc:
         return str(exc)
     return None

@@ -1,18 +1,19 @@
-"""The executor hands the rank's loss sum over as soon as its last loss is computed.
+"""The executor runs the whole step through the context, and hands the loss sum over early.
 
 The DeepSpeed engine posts the loss all-reduce from that callback, so the rendezvous runs
 during the program's tail instead of after it. One rank (D = 1) runs the real executor on a
-stub engine context: no messages, only the order of events.
+stub context: no messages, only the order of events, the step's tail included.
 """
 import torch
 from torch import nn
 
+from ds_chimera.runtime.context import ExecutionContext
 from ds_chimera.runtime.executor import StepExecutor
 from ds_chimera.schedules import build
 from ds_chimera.schedules.lowering import lower
 
 
-class _P2P:
+class _Transport:
     def prepost(self, *args):
         raise AssertionError("one rank sends nothing")
 
@@ -33,30 +34,49 @@ class _Chunk(nn.Module):
 
 
 class _Ctx:
-    def __init__(self, schedule, events):
+    def __init__(self, schedule, events, batches):
         self.placement = schedule.placement
-        self.chunk_modules = [_Chunk(events)]
+        self.chunk = _Chunk(events)
         self.split_chunks = set()
         self.pipe_rank = 0
-        self.p2p = _P2P()
-        self.events = events
+        self.transport = _Transport()
+        self.events, self.batches = events, batches
+
+    def load_input(self, chunk, mb):
+        return self.batches[mb][0]
+
+    def forward(self, chunk, mb, x, capture, train):
+        return self.chunk(x, capture)
+
+    def loss(self, out, chunk, mb):
+        self.events.append("loss")
+        return nn.functional.mse_loss(out, self.batches[mb][1])
+
+    def backward_done(self, chunk, mb):
+        pass
 
     def start_grad_sync(self, stage):
         self.events.append("sync")
 
-    def compute_loss(self, out, target):
-        self.events.append("loss")
-        return nn.functional.mse_loss(out, target)
+    def wait_grad_syncs(self, stages):
+        self.events.append(f"wait {list(stages)}")
+
+    def clip_gradients(self, scope, stage):
+        self.events.append(f"clip {scope}")
+
+    def optimizer_step(self, chunks):
+        self.events.append(f"step {list(chunks)}")
 
 
 def _run(ops, events, schedule, batches):
-    ctx = _Ctx(schedule, events)
+    ctx = _Ctx(schedule, events, batches)
+    assert isinstance(ctx, ExecutionContext)
     posted = []
 
     def on_losses(loss_sum):
         events.append("on_losses")
         posted.append(loss_sum)
-    loss_sum, count = StepExecutor(ctx).run(ops, batches, train=True, scale=0.25, on_losses=on_losses)
+    loss_sum, count = StepExecutor(ctx).run(ops, train=True, scale=0.25, on_losses=on_losses)
     return posted, loss_sum, count
 
 
@@ -71,7 +91,9 @@ def test_losses_are_handed_over_after_the_last_loss_and_before_the_last_backward
     torch.testing.assert_close(posted[0], loss_sum)
     last_loss = max(i for i, e in enumerate(events) if e == "loss")
     assert events.index("on_losses") == last_loss + 1
-    assert events[-2:] == ["backward", "sync"] and events.count("backward") == 4
+    # the program is the whole step: the sync after the last backward, then its wait, the clip, the step
+    assert events[-5:] == ["backward", "sync", "wait [0]", "clip global", "step [0]"]
+    assert events.count("backward") == 4
 
 
 def test_a_rank_without_losses_hands_over_none_at_the_start():
@@ -79,3 +101,20 @@ def test_a_rank_without_losses_hands_over_none_at_the_start():
     events = []
     posted, loss_sum, count = _run([], events, schedule, {})
     assert posted == [None] and loss_sum is None and count == 0 and events == ["on_losses"]
+
+
+def test_every_host_implements_the_execution_context():
+    """The executor depends on the protocol alone: each host provides all of it."""
+    import inspect
+
+    from ds_chimera.megatron.contract import MegatronHost
+    from ds_chimera.runtime.async_engine import AsyncPipelineHost
+    from ds_chimera.runtime.host import PipelineHost
+    from ds_chimera.runtime.local import LocalHost
+    wanted = {name for name, member in inspect.getmembers(ExecutionContext, inspect.isfunction)
+              if not name.startswith("_")}
+    assert wanted == {"load_input", "forward", "loss", "backward_done", "start_grad_sync", "wait_grad_syncs",
+                      "clip_gradients", "optimizer_step"}
+    for host in (PipelineHost, AsyncPipelineHost, MegatronHost, LocalHost):
+        missing = {name for name in wanted if not callable(getattr(host, name, None))}
+        assert not missing, (host.__name__, missing)

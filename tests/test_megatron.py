@@ -113,7 +113,7 @@ def test_bad_schedule_names_and_options_fail_before_any_work():
         get_forward_backward_func("chimera", chunks=2)
     with pytest.raises(ValueError, match="'pipeoptim' is asynchronous.*use a synchronous schedule: "):
         get_forward_backward_func("pipeoptim")
-    with pytest.raises(ValueError, match="timeout must be a number of seconds > 0, got 0"):
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0, got 0"):
         get_forward_backward_func("1f1b", timeout=0)
     fb = get_forward_backward_func("interleaved", chunks=2)
     assert fb.schedule == "interleaved" and fb.options == {"chunks": 2}
@@ -206,7 +206,7 @@ def test_split_backward_of_captured_blocks_equals_a_full_backward(call_twice):
     """I then W over forward-hook blocks gives exactly the gradients of one backward, tied weights included."""
     import torch
     from ds_chimera.megatron.contract import _blocks_of, _settle_blocks
-    from ds_chimera.runtime.executor import StepExecutor
+    from ds_chimera.runtime.executor import split_input_grad
     model = _TiedLM(call_twice)
     ids = torch.tensor([[1, 4, 7], [2, 9, 3]])
 
@@ -217,7 +217,7 @@ def test_split_backward_of_captured_blocks_equals_a_full_backward(call_twice):
     with _blocks_of(model, capture) as nodes:
         out = model(ids)
     _settle_blocks(model, capture, nodes, out)
-    work = StepExecutor._input_grad([out], None, [], capture)
+    work = split_input_grad([out], None, [], capture)
     deferred = {id(p) for _, _, params in work for p in params}
     assert id(model.mid.weight) in deferred                     # a plain block's W is really deferred
     if not call_twice:      # (a module called twice sends the whole chunk to one W pass instead)

@@ -120,11 +120,11 @@ def test_global_norm_clipping_where_deepspeed_stock_is_wrong(results):
     ("bad-unknown", "unknown schedule 'chimaera'; available: 1f1b, breadth-first, chimera"),
     ("bad-pipelines", "chimera: pipelines must divide stages/2 = 2 (allowed: [1, 2]), got 3"),
     ("bad-interleaved-n", "interleaved needs micro_batches to be a multiple of stages (4), got 6"),
-    ("bad-option", "\"pipeline\" option 'chunks' is not understood by schedule '1f1b'"),
+    ("bad-option", "\"pipeline\" (schedule '1f1b'): unknown key 'chunks'."),
     ("bad-zero1-chimera", "ZeRO stage 1 with schedule 'chimera' is not supported: its stages are replicated"),
     ("bad-zero1-tied", "ZeRO stage 1 with weights tied across pipeline ranks (proj) is not supported"),
     ("bad-zero2", "ZeRO stage 2 does not compose with pipeline schedules; use stage 0 or 1"),
-    ("bad-zero1-reduce", "\"zero1_reduce\": ...} must be one of chunk, end; got 'later'"),
+    ("bad-zero1-reduce", "\"pipeline\": zero1_reduce must be one of chunk, end; got 'later'"),
     ("bad-fp16", "fp16 training (loss scaling) is not supported by ds_chimera schedules yet"),
     ("bad-batch-split", "train_batch_size 10 is not divisible by train_micro_batch_size_per_gpu 4 x data-parallel "
                         "size 1"),

@@ -1,7 +1,7 @@
 """The runtime's split backward (I then W) gives the fused backward's gradients."""
 import torch
 
-from ds_chimera.runtime.executor import StepExecutor
+from ds_chimera.runtime.executor import split_input_grad
 
 
 def fused(layers, x):
@@ -19,7 +19,7 @@ def split(layers, x):
     for layer in layers:
         out = torch.tanh(layer(out))
         blocks.append((out, list(layer.parameters())))
-    work = StepExecutor._input_grad([out.sum()], None, [x], blocks)
+    work = split_input_grad([out.sum()], None, [x], blocks)
     grad_x = x.grad.clone()
     for outs, grads, params in work:           # W, later in the schedule
         torch.autograd.backward(outs, grad_tensors=grads, inputs=params)

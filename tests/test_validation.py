@@ -14,7 +14,7 @@ CASES = [
     ("chimera", 8, 8, {"pipelines": 3}, "pipelines must divide stages/2 = 4 (allowed: [1, 2, 4]), got 3"),
     ("chimera", 8, 8, {"pipelines": 0}, "pipelines must be >= 1, got 0"),
     ("chimera", 4, 8, {"order": "zigzag"}, "order must be one of auto, concat, forward-doubling, merged, zero-bubble; got 'zigzag'"),
-    ("chimera", 4, 8, {"costs": {"fwd": -1}}, "cost fwd must be a number >= 0, got -1"),
+    ("chimera", 4, 8, {"costs": {"fwd": -1}}, "cost fwd must be a finite number >= 0, got -1"),
     ("interleaved", 4, 6, {}, "interleaved needs micro_batches to be a multiple of stages (4), got 6"),
     ("interleaved", 4, 8, {"chunks": 0}, "chunks must be >= 1, got 0"),
     ("breadth-first", 4, 8, {"chunks": "2"}, "chunks must be an integer >= 1, got '2'"),
@@ -41,9 +41,9 @@ def test_unknown_schedule_lists_the_available_ones():
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"fwd": 0}, "costs fwd and bwd must be > 0"),
-    ({"bwd": -2}, "cost bwd must be a number >= 0, got -2"),
+    ({"bwd": -2}, "cost bwd must be a finite number >= 0, got -2"),
     ({"wgrad": 3.0}, "cost wgrad must be at most bwd (2.0), got 3.0"),
-    ({"comm": "fast"}, "cost comm must be a number >= 0, got 'fast'"),
+    ({"comm": "fast"}, "cost comm must be a finite number >= 0, got 'fast'"),
 ])
 def test_bad_costs(kwargs, message):
     with pytest.raises(ValueError) as err:

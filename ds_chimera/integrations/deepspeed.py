@@ -42,9 +42,22 @@ def _load_config(args, config, config_params):
 
 
 def _wants_schedule(model, config) -> bool:
+    """A PipelineModule whose config's "pipeline" section has any key DeepSpeed does not own.
+
+    Such a section is validated as ours (a misspelt key is refused, not ignored); one with
+    DeepSpeed's keys only goes to the stock engine.
+    """
     from deepspeed.runtime.pipe.module import PipelineModule
-    return (isinstance(model, PipelineModule) and isinstance(config, dict)
-            and isinstance(config.get("pipeline"), dict) and "schedule" in config["pipeline"])
+
+    from ..runtime.plan import wants_schedule
+    if not isinstance(config, dict) or "pipeline" not in config:
+        return False
+    wanted = wants_schedule(config.get("pipeline"))
+    if wanted and not isinstance(model, PipelineModule):
+        raise ValueError(f'the DeepSpeed config has a "pipeline" section for ds_chimera '
+                         f'({sorted(config["pipeline"])}), but the model is a {type(model).__name__}, not a '
+                         f"deepspeed.pipe.PipelineModule: build the model as a PipelineModule (or drop the section)")
+    return wanted
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,

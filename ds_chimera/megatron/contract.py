@@ -30,11 +30,14 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
-from ..runtime.executor import StepExecutor, _to_device
+from ..runtime.executor import StepExecutor
 from ..runtime.gradsync import FlatGradAllReduce
+from ..runtime.groups import PipelineGroups
 from ..runtime.p2p import LOSS_TAG, P2P, post_or_fail, wait_or_fail
 from ..runtime.plan import DEFAULT_TIMEOUT_S, proven_programs
+from ..runtime.tensors import to_device
 from ..schedules import registry
+from ..validation import check_seconds
 from .stages import make_schedule, pipeline_group
 
 
@@ -102,41 +105,11 @@ class _OneMicroBatch:
         return self.feed.item(self.mb)
 
 
-class _Groups:
-    """Process groups of one placement over the pipeline groups of the world, created once.
-
-    ``dist.new_group`` is collective over the whole world: every rank learns every pipeline
-    group (tensor- and data-parallel copies of it) and creates each group in the same order.
-    """
-
-    def __init__(self, placement, pp_ranks: list, nccl: bool):
-        self.replicas: dict = {}        # stage -> group over this pipeline's replicas of it
-        self.edges: dict = {}           # (src chunk, dst chunk, kind) -> two-rank group (NCCL only)
-        replicated = [s for s in range(placement.num_stages) if len(placement.stage_group(s)) > 1]
-        if not replicated and not nccl:
-            return
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, list(pp_ranks))
-        for ranks in sorted({tuple(r) for r in everyone}):
-            mine = list(ranks) == list(pp_ranks)
-            for stage in replicated:
-                group = dist.new_group(sorted(ranks[p] for p in placement.stage_group(stage)))
-                if mine:
-                    self.replicas[stage] = group
-            if nccl:
-                for chunk in placement.chunks:
-                    nxt = placement.next_chunk(chunk.index)
-                    if nxt is None or placement.rank_of(nxt) == chunk.rank:
-                        continue
-                    pair = sorted({ranks[chunk.rank], ranks[placement.rank_of(nxt)]})
-                    for key in ((chunk.index, nxt, "act"), (nxt, chunk.index, "grad")):
-                        group = dist.new_group(pair)
-                        if mine:
-                            self.edges[key] = group
-
-
-class _MegatronStep:
-    """The executor's context for one call: chunks, data, loss bookkeeping, replica syncs."""
+class MegatronHost:
+    """The executor's context for one call (see :class:`~ds_chimera.runtime.context.ExecutionContext`):
+    chunks, data, Megatron's loss bookkeeping, Chimera's replica syncs. Clipping and the
+    optimizer step are the caller's (Megatron's training loop), so the program's CLIP and
+    STEP are no-ops here."""
 
     def __init__(self, runner, schedule, chunks, feeds, config, forward_step_func, num_microbatches,
                  collect_non_loss_data, train: bool):
@@ -146,7 +119,7 @@ class _MegatronStep:
         self.chunk_modules = dict(zip(local, chunks))
         self.feeds = dict(zip(local, feeds))
         self.split_chunks = {a.chunk for a in schedule.orders[runner.rank] if a.kind == "I"} if train else set()
-        self.p2p = runner.p2p
+        self.transport = runner.p2p
         self.groups = runner.groups
         self.config, self.forward_step_func = config, forward_step_func
         self.num_microbatches, self.collect_non_loss_data = num_microbatches, collect_non_loss_data
@@ -160,7 +133,10 @@ class _MegatronStep:
         self.timeout_s = runner.timeout_s
         self.cp_size = _context_parallel_size()
 
-    def forward_chunk(self, c: int, mb: int, x, capture):
+    def load_input(self, chunk: int, mb: int):
+        return ()             # first stages read their data in forward_step_func; set_input_tensor([None])
+
+    def forward(self, c: int, mb: int, x, capture, train: bool):
         chunk = self.chunk_modules[c]
         inputs = (list(x) or [None]) if isinstance(x, tuple) else [x]     # first stages: [None], as Megatron
         set_input_tensor = getattr(_unwrap(chunk), "set_input_tensor", None)
@@ -201,7 +177,7 @@ class _MegatronStep:
             from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
             MTPLossAutoScaler.set_loss_scale(scale if per_token else scale / self.num_microbatches)
 
-    def compute_loss(self, output, mb: int):
+    def loss(self, output, chunk: int, mb: int):
         """Megatron's loss bookkeeping for the forward that just ran on a loss stage."""
         loss_func, self.loss_func = self.loss_func, None
         if loss_func is None:
@@ -237,8 +213,11 @@ class _MegatronStep:
             p.grad = torch.zeros_like(p)
         return p.grad
 
+    def backward_done(self, chunk: int, mb: int) -> None:
+        pass
+
     def start_grad_sync(self, stage: int) -> None:
-        group = self.groups.replicas.get(stage)
+        group = self.groups.stage.get(stage)
         if group is None:
             return
         chunk = next(m for c, m in self.chunk_modules.items() if self.placement.chunks[c].stage == stage)
@@ -247,10 +226,28 @@ class _MegatronStep:
             return
         self.pending.append(FlatGradAllReduce([self._grad(p) for p in params], group, f"stage {stage}'s replicas"))
 
-    def finish_grad_syncs(self) -> None:
+    def wait_grad_syncs(self, stages: tuple) -> None:
         for sync in self.pending:
             sync.finish(self.timeout_s)
         self.pending = []
+
+    def clip_gradients(self, scope, stage: int) -> None:
+        pass                  # Megatron's optimizer clips (over its own model-parallel groups)
+
+    def optimizer_step(self, chunks: tuple) -> None:
+        pass                  # the caller steps after forward_backward_func returns
+
+
+def _pipeline_groups(placement, pp_ranks: list, nccl: bool, timeout_s: float) -> PipelineGroups:
+    """The replica (and NCCL edge) groups of every pipeline group of the world, each within its pipeline."""
+    replicated = [s for s in range(placement.num_stages) if len(placement.stage_group(s)) > 1]
+    if not replicated and not nccl:
+        return PipelineGroups(placement, [pp_ranks], 0, timeout_s, stages=[])
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, list(pp_ranks))
+    pipelines = sorted({tuple(r) for r in everyone})
+    return PipelineGroups(placement, pipelines, pipelines.index(tuple(pp_ranks)), timeout_s, stages=replicated,
+                          nccl_edges=nccl)
 
 
 @contextlib.contextmanager
@@ -382,7 +379,7 @@ class ScheduleRunner:
         key = (tuple(ranks), tuple(map(tuple, schedule.placement.stage_ranks)), str(device))
         if key not in self._comms:
             nccl = dist.get_backend(group) != "gloo"
-            groups = _Groups(schedule.placement, ranks, nccl)
+            groups = _pipeline_groups(schedule.placement, ranks, nccl, self.timeout_s)
             p2p = P2P(lambda p: ranks[p], device, len(schedule.placement.chunks), self.timeout_s, groups.edges)
             p2p.shape_hint = "set variable_seq_lengths=True in the model's config (Megatron's switch for this)"
             self._comms[key] = (groups, p2p)
@@ -418,8 +415,8 @@ class ScheduleRunner:
         # as Megatron: fixed shapes (one header per edge) unless the config says they vary
         self.p2p.dynamic_shapes = bool(getattr(config, "variable_seq_lengths", False))
         train = not forward_only
-        step = _MegatronStep(self, schedule, chunks, feeds, config, forward_step_func, num_microbatches,
-                             collect_non_loss_data, train)
+        step = MegatronHost(self, schedule, chunks, feeds, config, forward_step_func, num_microbatches,
+                            collect_non_loss_data, train)
         if train:
             _check_split_backward(schedule, config, self.rank)
         shapes = (seq_length, micro_batch_size, decoder_seq_length)
@@ -432,18 +429,16 @@ class ScheduleRunner:
         if train and config.grad_scale_func is not None:
             scale = config.grad_scale_func(torch.ones(1, device=device))
         step.grad_scale = scale
-        batches = {mb: ((), mb) for mb in range(num_microbatches)}
         no_sync = config.no_sync_func if train and config.no_sync_func is not None else contextlib.nullcontext
         with contextlib.ExitStack() as stack:
             for func in (no_sync if isinstance(no_sync, list) else [no_sync]):
                 stack.enter_context(func())
-            StepExecutor(step).run((program if train else eval_program).ops[self.rank], batches, train=train,
-                                   scale=scale)
+            StepExecutor(step).run((program if train else eval_program).ops[self.rank], train=train, scale=scale,
+                                   device=device)
         for feed in shared.values():
             feed.finish()
         finish_losses = self._start_loss_exchange(step, placement, group, device)
         if train:
-            step.finish_grad_syncs()
             num_tokens = None
             if getattr(config, "calculate_per_token_loss", False):
                 # tokens are counted wherever a loss stage ran (two ranks under Chimera)
@@ -501,7 +496,7 @@ class ScheduleRunner:
             return lambda: [step.reduced[mb] for mb in sorted(step.reduced)]
         # CPU copies travel: pickled device tensors would be rebuilt on the sender's device index
         on = device if dist.get_backend(group) != "gloo" else torch.device("cpu")
-        payload = torch.frombuffer(bytearray(pickle.dumps(_to_device(step.reduced, torch.device("cpu")))),
+        payload = torch.frombuffer(bytearray(pickle.dumps(to_device(step.reduced, torch.device("cpu")))),
                                    dtype=torch.uint8).to(on)
         size = torch.tensor([payload.numel()], dtype=torch.int64, device=on)
         peers = {r: (r if group is None or group is dist.group.WORLD else dist.get_global_rank(group, r))
@@ -529,7 +524,7 @@ class ScheduleRunner:
             merged = dict(step.reduced)
             for r in peers:
                 merged.update(pickle.loads(data[r].cpu().numpy().tobytes()))
-            return [_to_device(merged[mb], device) for mb in sorted(merged)]
+            return [to_device(merged[mb], device) for mb in sorted(merged)]
         return finish
 
 
@@ -540,10 +535,8 @@ def get_forward_backward_func(schedule: str = "1f1b", *, timeout: float = DEFAUL
     ``pipelines`` for chimera...). ``timeout`` (seconds) bounds every wait on a peer: a dead
     rank becomes a clear error. Bad names and options fail here, before any step.
     """
-    registry.check_choice(schedule, options, caller_steps=True)
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-    runner = ScheduleRunner(schedule, options, float(timeout))
+    registry.checked(schedule, options, caller_steps=True)
+    runner = ScheduleRunner(schedule, options, check_seconds("get_forward_backward_func", "timeout", timeout))
 
     def forward_backward_func(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
                               micro_batch_size, decoder_seq_length=None, forward_only=False,

@@ -48,7 +48,7 @@ def pipeline_group():
 
 def make_schedule(name: str, stages: int, micro_batches: int, options: dict):
     """The named schedule, refusing asynchronous ones: Megatron's contract steps outside the function."""
-    return registry.check_choice(name, options, caller_steps=True)(stages, micro_batches, **options)
+    return registry.checked(name, options, caller_steps=True)(stages, micro_batches, **options)
 
 
 def virtual_stages(schedule: str, pipeline_size: int, **options):

@@ -12,13 +12,14 @@ it records the update the step actually applied, at the cost of one weight copy.
 """
 from __future__ import annotations
 
-import logging
 from importlib import metadata
 
 import torch
 
+from ..logs import get_logger
+
 ENTRY_POINT_GROUP = "ds_chimera.predictors"
-log = logging.getLogger("ds_chimera")
+log = get_logger()
 
 
 class Predictor:

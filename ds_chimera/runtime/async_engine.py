@@ -23,70 +23,98 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..atomic import torch_save_atomic
 from ..optim.bf16 import BF16MasterView
 from ..optim.predictors import predictor_for
 from ..optim.versions import WeightVersions
-from .engine import ScheduledPipelineEngine
-from .p2p import LOSS_TAG
+from .clipping import clip_by_norm
+from .engine import ScheduledPipelineEngine, log
+from .host import PipelineHost
+from .p2p import LOSS_TAG, post_or_fail, wait_or_fail
+
+
+class AsyncPipelineHost(PipelineHost):
+    """The asynchronous engine's context: forwards on the weight version the policy says; each
+    stage's step (sync over data parallelism, its own clipping, the predictor's bookkeeping)
+    runs inside the program."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        schedule = engine.schedule
+        self.record_versions = False
+        self.predictor = None
+        if schedule.weight_policy == "predict":
+            # under bf16 the predictor reads the fp32 master weights and state behind the bf16 parameters
+            optimizer = BF16MasterView(engine.optimizer, self.hp_grads) if engine.using_bf16_optimizer \
+                else engine.optimizer
+            self.predictor = predictor_for(schedule, optimizer)
+        self.weight_versions = {c: WeightVersions(chunk, schedule.weight_policy, self.predictor)
+                                for c, chunk in self.chunk_modules.items()}
+        self.gaps = {key: schedule.steps_ahead(*key) for key in schedule.versions()
+                     if key[0] in self.chunk_modules} if self.predictor is not None else {}
+
+    def forward(self, chunk: int, mb: int, x, capture, train: bool):
+        ahead = self.gaps.get((chunk, mb), 0) if train else 0
+        return self.weight_versions[chunk].forward(mb, (x, capture), ahead, record=self.record_versions)
+
+    def backward_done(self, chunk: int, mb: int) -> None:
+        self.weight_versions[chunk].backward_done(mb, record=self.record_versions)
+
+    def wait_grad_syncs(self, stages: tuple) -> None:
+        divide_by = self.dp_size
+        for sync in self.pending:
+            sync.finish(self.timeout_s, divide_by)
+        self.pending = []
+
+    def clip_gradients(self, scope, stage: int) -> None:
+        """One stage's own norm: a global one would make every stage meet at each update."""
+        if self.max_norm <= 0:
+            return
+        grads = list(self.hp_grads.values()) if self.hp_grads else \
+            [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        if grads:
+            self.grad_norm = clip_by_norm(grads, grads, self.max_norm, None, self.device)
+            self.engine._global_grad_norm = self.grad_norm
+
+    def optimizer_step(self, chunks: tuple) -> None:
+        if self.predictor is not None:
+            self.predictor.before_step()
+        self.engine._take_model_step(None)
+        if self.predictor is not None:
+            self.predictor.after_step()
+        for chunk in chunks:
+            self.weight_versions[chunk].step_done()
 
 
 class AsyncPipelineEngine(ScheduledPipelineEngine):
     """A ScheduledPipelineEngine whose stages step inside the program, once per update."""
 
+    host_class = AsyncPipelineHost
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         schedule = self.schedule
         self.update_interval = schedule.update_interval()
-        self.record_versions = False
-        self.predictor = None
-        if schedule.weight_policy == "predict":
-            # under bf16 the predictor reads the fp32 master weights and state behind the bf16 parameters
-            optimizer = BF16MasterView(self.optimizer, self._hp_grads) if self.using_bf16_optimizer else self.optimizer
-            self.predictor = predictor_for(schedule, optimizer)
-        self.weight_versions = {c: WeightVersions(chunk, schedule.weight_policy, self.predictor)
-                                for c, chunk in self.chunk_modules.items()}
-        self._gaps = {key: schedule.steps_ahead(*key) for key in schedule.versions()
-                      if key[0] in self.chunk_modules} if self.predictor is not None else {}
+        self.predictor = self.host.predictor
+        self.weight_versions = self.host.weight_versions
         self.continuous = schedule.continuous
         if self.continuous:
             self._init_continuous()
         if self.global_rank == 0 and self.predictor is not None:
-            print(f"[ds_chimera] {schedule.name}: weight predictor {self.predictor.name!r} for "
-                  f"{type(self.optimizer).__name__}, steps_ahead={schedule.config['steps_ahead']!r}", flush=True)
+            log.info("%s: weight predictor %r for %s, steps_ahead=%r", schedule.name, self.predictor.name,
+                     type(self.optimizer).__name__, schedule.config["steps_ahead"])
 
-    def steps_ahead(self, chunk: int, mb: int) -> int:
-        return self._gaps.get((chunk, mb), 0)
+    @property
+    def record_versions(self) -> bool:
+        return self.host.record_versions
+
+    @record_versions.setter
+    def record_versions(self, value: bool) -> None:
+        self.host.record_versions = value
 
     def weight_versions_held(self) -> int:
         """The most weight versions this rank has held at once (live + stashed or predicted)."""
         return max(v.peak_versions for v in self.weight_versions.values())
-
-    # ---- one update ------------------------------------------------------------------------
-    def step_chunk(self, chunk: int, mb: int) -> None:
-        """The ``S`` action: sync this stage's gradients over data parallelism, clip, step."""
-        self._finish_grad_syncs()
-        self._clip_stage()
-        if self.predictor is not None:
-            self.predictor.before_step()
-        self._take_model_step(None)
-        if self.predictor is not None:
-            self.predictor.after_step()
-        self.weight_versions[chunk].step_done()
-
-    def _clip_stage(self) -> None:
-        if self.true_clip <= 0:
-            return
-        if self._hp_grads:        # bf16: the fp32 gradients the optimizer will read
-            grads = list(self._hp_grads.values())
-        else:
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if grads:
-            norm = torch.linalg.vector_norm(torch.stack([g.detach().float().norm() for g in grads]))
-            self._global_grad_norm = float(norm)
-            coef = self.true_clip / (self._global_grad_norm + 1e-6)
-            if coef < 1.0:
-                for g in grads:
-                    g.mul_(coef)
 
     # ---- a pipeline kept full across calls (fill = continuous) ---------------------------------
     def _init_continuous(self) -> None:
@@ -99,7 +127,7 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
                              f"{(proof.errors or list(proof.deadlock.values()))[:3]}")
         self.part_programs = {part: schedule.part_program(part) for part in ("first", "steady", "drain")}
         gaps = schedule.part_steps_ahead() if self.predictor is not None else {}
-        self.part_gaps = {part: {k: v for k, v in table.items() if k[0] in self.chunk_modules}
+        self.part_gaps = {part: {k: v for k, v in table.items() if k[0] in self.host.chunk_modules}
                           for part, table in gaps.items()}
         self.carry = None            # executor state of the micro-batches in flight between calls
         self.mb_base = 0             # global id of this call's micro-batch 0
@@ -117,10 +145,11 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
         else:
             count, offset = n, 0
         batches = {offset + i: b for i, b in self._load_batches(count).items()} if count else {}
-        self._gaps = self.part_gaps.get(part, {})
-        loss_sum, _ = self.executor.run(self.part_programs[part].ops[self.pipe_rank], batches, train=True,
+        self.host.gaps = self.part_gaps.get(part, {})
+        self.host.begin(batches, train=True)
+        loss_sum, _ = self.executor.run(self.part_programs[part].ops[self.pipe_rank], train=True,
                                         scale=1.0 / self.update_interval, trace=trace, carry=self.carry,
-                                        mb_base=self.mb_base, flush=part == "drain")
+                                        mb_base=self.mb_base, flush=part == "drain", device=self.device)
         if part == "drain":
             shift_carry(self.carry, depth - 1)
             if any(self.carry.values()):
@@ -158,9 +187,9 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
         if self.continuous:
             loss_sum = self._continuous_call("first" if self.carry is None else "steady", trace)
         else:
-            batches = self._load_batches(self.micro_batches)
-            loss_sum, _ = self.executor.run(self.plan.program.ops[self.pipe_rank], batches, train=True,
-                                            scale=1.0 / self.update_interval, trace=trace)
+            self.host.begin(self._load_batches(self.micro_batches), train=True)
+            loss_sum, _ = self.executor.run(self.plan.program.ops[self.pipe_rank], train=True,
+                                            scale=1.0 / self.update_interval, trace=trace, device=self.device)
             for versions in self.weight_versions.values():
                 versions.reset()
         return self._aggregate_loss(loss_sum, self.micro_batches)
@@ -178,22 +207,23 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
         if self.num_stages == 1:
             return super()._aggregate_loss(loss_sum, micro_batches)
         value = torch.zeros(1, dtype=torch.float32, device=self.device)
+        timeout = self.plan.timeout_s
         if self.pipe_rank == last:
             if loss_sum is not None:
                 value += loss_sum.reshape(-1)[:1].to(value.dtype)
             if self.dp_size > 1:
-                self.p2p._wait(lambda: dist.all_reduce(value, group=self.grid.get_data_parallel_group(), async_op=True),
-                               "the loss all-reduce of the last stage")
+                wait_or_fail(lambda: dist.all_reduce(value, group=self.grid.get_data_parallel_group(), async_op=True),
+                             timeout, "the loss all-reduce of the last stage")
             value /= micro_batches * self.dp_size
             for work, _ in getattr(self, "_loss_sends", []):
-                self.p2p._wait(work, "a loss sent to an earlier stage")
+                wait_or_fail(work, timeout, "a loss sent to an earlier stage")
             dp_id = self.grid.get_data_parallel_id()
-            self._loss_sends = [(self.p2p.post(lambda p=p: dist.isend(value, self._global_rank_of(p, dp_id),
-                                                                      tag=LOSS_TAG), "the loss send"), value)
+            self._loss_sends = [(post_or_fail(lambda p=p: dist.isend(value, self.grid.stage_to_global(p, data=dp_id),
+                                                                     tag=LOSS_TAG), "the loss send"), value)
                                 for p in range(last)]
         else:
-            self.p2p._wait(lambda: dist.irecv(value, self._global_rank_of(last, self.grid.get_data_parallel_id()),
-                                      tag=LOSS_TAG), "the loss from the last stage")
+            wait_or_fail(lambda: dist.irecv(value, self.grid.stage_to_global(last, data=self.grid.get_data_parallel_id()),
+                                            tag=LOSS_TAG), timeout, "the loss from the last stage")
         return value.squeeze(0)
 
     # ---- predictor state in checkpoints --------------------------------------------------------
@@ -201,12 +231,8 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
         return os.path.join(directory, f"ds_chimera_predictor-rank{self.global_rank:04d}.pt")
 
     def _save_extra_state(self, directory: str) -> None:
-        if self.predictor is None:
-            return
-        final = self._extra_state_file(directory)
-        tmp = f"{final}.tmp"
-        torch.save(self.predictor.state_dict(), tmp)
-        os.replace(tmp, final)
+        if self.predictor is not None:
+            torch_save_atomic(self.predictor.state_dict(), self._extra_state_file(directory))
 
     def _load_extra_state(self, directory: str) -> None:
         if self.predictor is None:

@@ -19,6 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .tensors import as_tuple
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
           torch.bool, torch.uint8, torch.int8, torch.int16]
 HEADER = 128
@@ -55,10 +57,6 @@ def post_or_fail(post, what: str, source: str = "ds_chimera", peer: str = "the p
         return post()
     except Exception as exc:
         raise PeerTimeout(f"{source}: {what} could not be posted: {peer} died or is stuck. Cause: {exc}") from exc
-
-
-def _as_tuple(x):
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 def encode_header(tensors) -> torch.Tensor:
@@ -144,7 +142,7 @@ class P2P:
 
     def send(self, msg, dst_rank: int, tensors) -> None:
         self._prune()
-        tensors = [t.detach().contiguous() for t in _as_tuple(tensors)]
+        tensors = [t.detach().contiguous() for t in as_tuple(tensors)]
         peer, group = self.to_global(dst_rank), self._group(msg)
         works, header = [], None
         meta = [(t.dtype, t.requires_grad, list(t.shape)) for t in tensors]

@@ -5,6 +5,7 @@ at ``initialize`` with a message that names the bad value.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ..schedules import registry
@@ -12,11 +13,12 @@ from ..schedules.actions import FORWARD
 from ..schedules.base import Schedule
 from ..schedules.lowering import Program, lower
 from ..sim.simulator import simulate
+from ..validation import check_choice, check_seconds, unknown_key_error
 
 # keys of the "pipeline" section that DeepSpeed itself owns
 DEEPSPEED_PIPELINE_KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_interval",
                            "pipe_partitioned", "grad_partitioned", "use_reentrant"}
-RUNTIME_KEYS = {"schedule", "timeout", "trace_dir", "partition_method", "zero1_reduce"}
+RUNTIME_KEYS = {"schedule", "program", "timeout", "trace_dir", "partition_method", "zero1_reduce"}
 ZERO1_REDUCE = ("chunk", "end")     # ZeRO-1: reduce each chunk's gradients when it is done, or all at the end
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -43,23 +45,58 @@ class Plan:
                    for c in placement.chunks_on(pipe_rank))
 
 
+def wants_schedule(section) -> bool:
+    """True if the DeepSpeed "pipeline" section asks for ds_chimera (any key DeepSpeed does not own).
+
+    A section of DeepSpeed's keys only is DeepSpeed's (its stock 1F1B engine). One with any
+    other key is ours, so a misspelt ``"Schedule"`` is refused with a hint instead of
+    silently training on the stock engine.
+    """
+    if section is None:
+        return False
+    if not isinstance(section, dict):
+        raise ValueError(f'the DeepSpeed config\'s "pipeline" must be a JSON object such as '
+                         f'{{"schedule": "chimera"}}, got {section!r}')
+    return bool(set(section) - DEEPSPEED_PIPELINE_KEYS)
+
+
 def schedule_options(section: dict) -> tuple:
-    """Split the DeepSpeed "pipeline" section into (schedule name, schedule options, runtime options)."""
-    name = section["schedule"]
-    if not isinstance(name, str):
-        raise ValueError(f'"pipeline": {{"schedule": ...}} must be a schedule name, got {name!r}')
-    cls = registry.get(name)
-    options, runtime = {}, {}
+    """Split the DeepSpeed "pipeline" section into (schedule name, schedule options, runtime options).
+
+    Every key is checked: DeepSpeed's own, the runtime's, or the schedule's options. A loaded
+    program (``"program": FILE``) takes the place of a schedule; the name is then ``"program"``.
+    """
+    if not isinstance(section, dict):
+        wants_schedule(section)
+    if "schedule" in section and "program" in section:
+        raise ValueError('"pipeline" takes "schedule" (a name) or "program" (a program file), not both')
+    if "program" in section:
+        name, options = "program", {}
+        if not isinstance(section["program"], (str, os.PathLike)):
+            raise ValueError(f'"pipeline": {{"program": ...}} must be the path of a program file, '
+                             f'got {section["program"]!r}')
+    elif "schedule" in section:
+        name = section["schedule"]
+        if not isinstance(name, str):
+            raise ValueError(f'"pipeline": {{"schedule": ...}} must be a schedule name, got {name!r}')
+        options = registry.get(name).options
+    else:
+        ours = sorted(set(section) - DEEPSPEED_PIPELINE_KEYS)
+        if set(ours) <= RUNTIME_KEYS:
+            raise ValueError(f'"pipeline" has {", ".join(map(repr, ours))} but no "schedule": name one of '
+                             f"{', '.join(sorted(registry.available()))}")
+        raise unknown_key_error('"pipeline"', next(k for k in ours if k not in RUNTIME_KEYS),
+                                RUNTIME_KEYS | DEEPSPEED_PIPELINE_KEYS)
+    chosen, runtime = {}, {}
     for key, value in section.items():
         if key in RUNTIME_KEYS:
             runtime[key] = value
-        elif key in cls.options:
-            options[key] = value
+        elif key in options:
+            chosen[key] = value
         elif key not in DEEPSPEED_PIPELINE_KEYS:
-            allowed = sorted(set(cls.options) | (RUNTIME_KEYS - {"schedule"}))
-            raise ValueError(f'"pipeline" option {key!r} is not understood by schedule {name!r}; '
-                             f"allowed: {', '.join(allowed)} (plus DeepSpeed's own pipeline keys)")
-    return name, options, runtime
+            where = f'"pipeline" (schedule {name!r})'
+            raise unknown_key_error(where, key, set(options) | RUNTIME_KEYS | DEEPSPEED_PIPELINE_KEYS)
+    return name, chosen, runtime
 
 
 def micro_batches_from_config(config: dict, dp: int) -> int:
@@ -123,18 +160,34 @@ def make_plan(config: dict, num_stages: int, dp: int, num_layers: int, parts_fn)
     section = config.get("pipeline") or {}
     name, options, runtime = schedule_options(section)
     micro_batches = micro_batches_from_config(config, dp)
-    schedule = registry.get(name)(num_stages, micro_batches, **options)
-    timeout = runtime.get("timeout", DEFAULT_TIMEOUT_S)
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise ValueError(f'"pipeline": {{"timeout": ...}} must be a number of seconds > 0, got {timeout!r}')
+    if name == "program":
+        from ..schedules.from_program import ProgramSchedule
+        schedule = ProgramSchedule.from_file(runtime["program"], num_stages, micro_batches)
+    else:
+        schedule = registry.get(name)(num_stages, micro_batches, **options)
+    timeout = check_seconds('"pipeline"', "timeout", runtime.get("timeout", DEFAULT_TIMEOUT_S))
+    trace_dir = runtime.get("trace_dir")
+    if trace_dir is not None:
+        check_writable_dir('"pipeline"', "trace_dir", trace_dir)
     if num_layers < schedule.placement.num_stages:
         raise ValueError(f"schedule {name!r} cuts the model into {schedule.placement.num_stages} stages "
                          f"but the PipelineModule has only {num_layers} layers")
     program, eval_program = proven_programs(schedule)
     parts = parts_fn(schedule.placement.num_stages, runtime.get("partition_method"))
-    clip = float(config.get("gradient_clipping", 1.0))
-    zero1_reduce = runtime.get("zero1_reduce", "chunk")
-    if zero1_reduce not in ZERO1_REDUCE:
-        raise ValueError(f'"pipeline": {{"zero1_reduce": ...}} must be one of {", ".join(ZERO1_REDUCE)}; '
-                         f"got {zero1_reduce!r}")
-    return Plan(schedule, program, eval_program, parts, float(timeout), runtime.get("trace_dir"), clip, zero1_reduce)
+    clip = float(config.get("gradient_clipping", 0.0))       # DeepSpeed's default: no clipping
+    zero1_reduce = check_choice('"pipeline"', "zero1_reduce", runtime.get("zero1_reduce", "chunk"), ZERO1_REDUCE)
+    return Plan(schedule, program, eval_program, parts, timeout, trace_dir, clip, zero1_reduce)
+
+
+def check_writable_dir(where: str, name: str, path) -> str:
+    """Create ``path`` if needed and prove it writable now, not after the first step."""
+    import tempfile
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ValueError(f"{where}: {name} must be a directory path, got {path!r}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".ds_chimera_probe"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{where}: {name} {str(path)!r} cannot be created or written: {exc}") from None
+    return str(path)

@@ -1,10 +1,14 @@
 """Turn a user's PipelineModule into the chunks a schedule needs, before DeepSpeed sees it."""
 from __future__ import annotations
 
+
 import torch
 from torch import nn
 
+from ..logs import get_logger
 from .plan import check_precision_and_zero, make_plan
+
+log = get_logger()
 
 
 def prepare_module(module, config: dict, model_parameters):
@@ -68,9 +72,9 @@ def prepare_module(module, config: dict, model_parameters):
     for p in module.parameters():
         p.ds_pipe_replicated = False
     if dist.get_rank() == 0:
-        sim_parts = ", ".join(f"stage {s}: layers [{plan.parts[s]}, {plan.parts[s + 1]})"
-                              for s in range(plan.placement.num_stages))
-        print(f"[ds_chimera] schedule {plan.schedule!r}; {sim_parts}", flush=True)
+        cut = ", ".join(f"stage {s}: layers [{plan.parts[s]}, {plan.parts[s + 1]})"
+                        for s in range(plan.placement.num_stages))
+        log.info("schedule %r; %s", plan.schedule, cut)
     return _remap_parameters(module, model_parameters, old_params)
 
 

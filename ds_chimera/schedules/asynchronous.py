@@ -15,8 +15,9 @@ since the start of that call.
 """
 from __future__ import annotations
 
+from ..validation import check_int
 from .actions import BACKWARD, FORWARD, STEP, Action
-from .base import Schedule, check_int, linear_placement
+from .base import Schedule, linear_placement
 from .classic import one_f_one_b_orders
 from .lowering import lower
 

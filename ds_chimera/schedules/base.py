@@ -8,23 +8,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from ..validation import check_int
 from .lowering import Program, lower
 from .placement import Placement
-
-
-def check_int(schedule: str, name: str, value, minimum: int) -> int:
-    """Return ``value`` if it is an int >= ``minimum``; otherwise raise a ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{schedule}: {name} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{schedule}: {name} must be >= {minimum}, got {value}")
-    return value
-
-
-def check_choice(schedule: str, name: str, value, allowed) -> str:
-    if value not in allowed:
-        raise ValueError(f"{schedule}: {name} must be one of {', '.join(map(str, allowed))}; got {value!r}")
-    return value
 
 
 class Schedule:

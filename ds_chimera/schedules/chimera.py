@@ -1,9 +1,11 @@
 """Chimera: bidirectional pipelines (Li & Hoefler, SC 2021, arXiv:2107.06925)."""
 from __future__ import annotations
 
+from ..validation import check_choice, check_int, check_mapping
 from .actions import BACKWARD, FORWARD, Action
-from .base import Schedule, check_choice, check_int
+from .base import Schedule
 from .classic import one_f_one_b_orders
+from .costs import COST_NAMES, Costs
 from .placement import Placement
 from .timing import compute_timing, fastest_list_schedule, merge_by_time, time_orders
 
@@ -61,19 +63,19 @@ class Chimera(Schedule):
 
     @staticmethod
     def choose_order(stages: int, micro_batches: int, pipelines: int, costs=None) -> str:
-        """The order with the smallest simulated makespan under ``costs`` (ties: paper's first)."""
-        from ..sim.simulator import Costs, simulate
+        """The order with the smallest makespan under ``costs`` (ties: paper's first).
+
+        The makespan is the simulator's (compute, message latency, the gradient syncs),
+        without the hosts' per-message send/receive time, which no order choice changes much.
+        """
         if costs is None:
             costs = Costs()
-        elif isinstance(costs, dict):
-            costs = Costs(**costs)
+        elif not isinstance(costs, Costs):
+            costs = Costs(**check_mapping("chimera", "costs", costs, COST_NAMES, '{"fwd": 1, "bwd": 2}'))
         best = None
         for order in FUSED_ORDERS:
             candidate = Chimera(stages, micro_batches, pipelines=pipelines, order=order)
-            if costs.allreduce:
-                makespan = simulate(candidate.lower(), costs).makespan
-            else:   # the same number, without lowering and checking each candidate
-                makespan = compute_timing(candidate.placement, candidate.orders, costs)[0]
+            makespan = compute_timing(candidate.placement, candidate.orders, costs, syncs=True)[0]
             if best is None or makespan < best[0] - 1e-9:
                 best = (makespan, order)
         return best[1]
@@ -148,7 +150,6 @@ class Chimera(Schedule):
         one and backwards of the other differ in parity or by D/2 micro-batches), which is
         why Chimera's merge is conflict-free for even D.
         """
-        from ..sim.simulator import Costs
         d = self.stages
         ranks = self.stage_ranks()[pipe]
         if self.order != "merged":

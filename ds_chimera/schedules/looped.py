@@ -1,8 +1,9 @@
 """Looped schedules: V chunks per rank, stage s on rank s mod D."""
 from __future__ import annotations
 
+from ..validation import check_int
 from .actions import BACKWARD, FORWARD, Action
-from .base import Schedule, check_int, looped_placement
+from .base import Schedule, looped_placement
 
 
 class _Looped(Schedule):

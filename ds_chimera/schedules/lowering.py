@@ -1,9 +1,11 @@
-"""Lowering: turn per-rank compute orders into complete per-rank programs.
+"""Lowering: turn per-rank compute orders into complete per-rank programs: the whole step.
 
 The pass adds what the placement implies and nothing else: point-to-point messages
 between chunks on different ranks, batched so that every send of a batch is posted
 before any of its receives is awaited; one gradient all-reduce per model stage, posted
-as soon as the rank's last backward of that stage is done; and the optimizer step.
+as soon as the rank's last backward of that stage is done; the wait for those syncs,
+the clipping and the optimizer step. A synchronous program ends with them (one flush);
+an asynchronous one has them before every ``S`` action (each stage steps alone).
 """
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .actions import (BACKWARD, BACKWARD_KINDS, FORWARD, STEP, WEIGHT_GRAD, Action, CommBatch,
-                      GradSync, Message, OptimizerStep)
+from .actions import (ACT, BACKWARD_KINDS, FORWARD, GRAD, GRADIENT_KINDS, STEP, Action, ClipGrads, ClipScope,
+                      CommBatch, GradSync, Message, OptimizerStep, SyncWait)
 from .placement import Placement
 
 
@@ -22,7 +24,7 @@ class Program:
 
     name: str
     placement: Placement
-    ops: list            # ops[rank] -> [Action | CommBatch | GradSync | OptimizerStep]
+    ops: list            # ops[rank] -> [Action | CommBatch | GradSync | SyncWait | ClipGrads | OptimizerStep]
     synchronous: bool = True
     weights: list | None = None   # weight copies per rank, where the schedule knows more than the placement
 
@@ -32,6 +34,24 @@ class Program:
 
     def compute(self, rank: int) -> list:
         return [op for op in self.ops[rank] if isinstance(op, Action)]
+
+    def orders(self) -> list:
+        """The compute actions of every rank, in program order."""
+        return [self.compute(rank) for rank in range(self.num_ranks)]
+
+    def dump(self, path=None) -> str:
+        """The program as text (see :mod:`.program_io`); written atomically to ``path`` if given."""
+        from .program_io import dump_program
+        return dump_program(self, path)
+
+    @staticmethod
+    def load(source) -> "Program":
+        """A program from a file path or from the text :meth:`dump` wrote."""
+        from .program_io import load_program
+        return load_program(source)
+
+    def __str__(self) -> str:
+        return self.dump()
 
 
 def _cross_rank_links(placement: Placement) -> list:
@@ -48,7 +68,7 @@ def _last_grad_index(placement: Placement, order: list) -> dict:
     """stage -> index in ``order`` after which all of the rank's grads for that stage exist."""
     last = {}
     for i, (kind, chunk, _) in enumerate(order):
-        if kind in (BACKWARD, WEIGHT_GRAD):
+        if kind in GRADIENT_KINDS:
             last[placement.chunks[chunk].stage] = i
     return last
 
@@ -73,35 +93,46 @@ def lower(name: str, placement: Placement, orders: list, synchronous: bool = Tru
     return Program(name, placement, ops, synchronous)
 
 
-def _lower_rank(placement: Placement, links: list, rank: int, order: list, synchronous: bool) -> list:
-    ops: list = []
-    pending_sends: tuple = ()
-    ready_at = {}
-    if synchronous:
-        last = _last_grad_index(placement, order)
-        for chunk in placement.chunks_on(rank):
-            stage = placement.chunks[chunk].stage
-            # A replica that saw no micro-batch (N < number of pipelines) still joins its
-            # stage's all-reduce, with zero gradients, before any compute.
-            ready_at.setdefault(last.get(stage, -1), []).append(stage)
-    # Each group's syncs are posted in one canonical order (last stage first) on every
-    # member, so collectives sharing a group can never be issued in conflicting orders.
-    queues = {}
+def sync_points(placement: Placement, rank: int, order: list) -> dict:
+    """Where a synchronous program posts its gradient syncs: action index -> stages posted right after it.
+
+    A stage's sync is ready after the rank's last backward of that stage (index -1: before
+    any compute, for a replica that sees no micro-batch when N < pipelines; it still joins
+    the all-reduce, with zero gradients). Each group's syncs are posted in one canonical
+    order (last stage first) on every member, so collectives sharing a group can never be
+    issued in conflicting orders: a ready stage waits for the ones before it in its queue.
+    The simulator-free timing (:mod:`.timing`) uses the same points.
+    """
+    last = _last_grad_index(placement, order)
+    ready_at: dict = {}
+    for chunk in placement.chunks_on(rank):
+        stage = placement.chunks[chunk].stage
+        ready_at.setdefault(last.get(stage, -1), set()).add(stage)
+    queues: dict = {}
     for stages in ready_at.values():
-        for stage in set(stages):
+        for stage in stages:
             queues.setdefault(placement.stage_group(stage), []).append(stage)
     for queue in queues.values():
         queue.sort(reverse=True)
     ready: set = set()
-
-    def post_ready_syncs():
-        for group, queue in queues.items():
+    points: dict = {}
+    for index in sorted(ready_at):
+        ready.update(ready_at[index])
+        posted = []
+        for queue in queues.values():
             while queue and queue[0] in ready:
-                ops.append(GradSync(queue.pop(0), group))
+                posted.append(queue.pop(0))
+        if posted:
+            points[index] = posted
+    return points
 
-    if -1 in ready_at:
-        ready.update(ready_at[-1])
-        post_ready_syncs()
+
+def _lower_rank(placement: Placement, links: list, rank: int, order: list, synchronous: bool) -> list:
+    ops: list = []
+    pending_sends: tuple = ()
+    points = sync_points(placement, rank, order) if synchronous else {}
+    for stage in points.get(-1, ()):
+        ops.append(GradSync(stage, placement.stage_group(stage)))
 
     append = ops.append
     for i, action in enumerate(order):
@@ -109,11 +140,11 @@ def _lower_rank(placement: Placement, links: list, rank: int, order: list, synch
         prev, nxt = links[chunk]
         # what this action receives from and sends to other ranks (inline: this runs once per action)
         if kind == FORWARD:
-            recvs = () if prev is None else (Message("act", prev, chunk, mb),)
-            sends = () if nxt is None else (Message("act", chunk, nxt, mb),)
+            recvs = () if prev is None else (Message(ACT, prev, chunk, mb),)
+            sends = () if nxt is None else (Message(ACT, chunk, nxt, mb),)
         elif kind in BACKWARD_KINDS:
-            recvs = () if nxt is None else (Message("grad", nxt, chunk, mb),)
-            sends = () if prev is None else (Message("grad", chunk, prev, mb),)
+            recvs = () if nxt is None else (Message(GRAD, nxt, chunk, mb),)
+            sends = () if prev is None else (Message(GRAD, chunk, prev, mb),)
         else:
             recvs = sends = ()
         if kind == STEP:
@@ -122,19 +153,24 @@ def _lower_rank(placement: Placement, links: list, rank: int, order: list, synch
                 ops.append(CommBatch(pending_sends, ()))
                 pending_sends = ()
             ops.append(GradSync(stage, placement.stage_group(stage)))
+            ops.append(SyncWait((stage,)))
+            ops.append(ClipGrads(ClipScope.STAGE, stage))
         elif pending_sends or recvs:
             append(CommBatch(pending_sends, recvs))
             pending_sends = ()
         append(action)
         pending_sends = sends
-        if i in ready_at:
+        if i in points:
             if pending_sends:
                 ops.append(CommBatch(pending_sends, ()))
                 pending_sends = ()
-            ready.update(ready_at[i])
-            post_ready_syncs()
+            for stage in points[i]:
+                ops.append(GradSync(stage, placement.stage_group(stage)))
     if pending_sends:
         ops.append(CommBatch(pending_sends, ()))
     if synchronous:
-        ops.append(OptimizerStep(tuple(placement.chunks_on(rank))))
+        chunks = tuple(placement.chunks_on(rank))
+        ops.append(SyncWait(tuple(sorted({placement.chunks[c].stage for c in chunks}))))
+        ops.append(ClipGrads(ClipScope.GLOBAL))
+        ops.append(OptimizerStep(chunks))
     return ops

@@ -6,13 +6,13 @@ is how this package registers its own; a third-party package adds one in its set
 """
 from __future__ import annotations
 
-import logging
 from importlib import metadata
 
+from ..logs import get_logger
 from .base import Schedule
 
 ENTRY_POINT_GROUP = "ds_chimera.schedules"
-log = logging.getLogger(__name__)
+log = get_logger()
 
 
 def _builtin() -> dict:
@@ -63,7 +63,7 @@ def get(name: str) -> type:
     return schedules[name]
 
 
-def check_choice(name: str, options: dict, caller_steps: bool = False) -> type:
+def checked(name: str, options: dict, caller_steps: bool = False) -> type:
     """The class of schedule ``name`` once ``options`` are known to be its own; before any work.
 
     ``caller_steps``: the caller runs the optimizer step after the schedule (Megatron's

@@ -25,17 +25,21 @@ def time_orders(placement: Placement, orders: list, costs) -> dict:
     return compute_timing(placement, orders, costs, want_starts=True)[1]
 
 
-def compute_timing(placement: Placement, orders: list, costs, want_starts: bool = False, durations=None):
+def compute_timing(placement: Placement, orders: list, costs, want_starts: bool = False, durations=None,
+                   syncs: bool = False):
     """(makespan, start times) of valid compute orders: the simulator's timing without its checks.
 
     Used where many candidate orders are compared (Chimera's ``auto``, the pieces of ``merged``):
     it skips lowering and validation, so it is several times faster. It models per-message
-    latency (``costs.comm``) but not gradient all-reduce time nor the hosts' per-message
-    ``send``/``recv`` time (those depend on how lowering batches messages); with those at
-    zero, tests hold it equal to the simulator's makespan. Raises RuntimeError if the orders
-    cannot complete. ``durations`` maps ``(kind, chunk, mb)`` to that action's own time, in
-    place of ``costs``' per-kind figure: a measured step replayed on its own op times.
+    latency (``costs.comm``) but not the hosts' per-message ``send``/``recv`` time (that
+    depends on how lowering batches messages). With ``syncs`` it also models the gradient
+    syncs a synchronous program posts (where lowering puts them, each costing its rank
+    ``sync_post``, done ``allreduce`` after the group's last post). Tests hold it equal to
+    the simulator's makespan when ``send`` and ``recv`` are zero. Raises RuntimeError if the
+    orders cannot complete. ``durations`` maps ``(kind, chunk, mb)`` to that action's own
+    time, in place of ``costs``' per-kind figure: a measured step replayed on its own op times.
     """
+    from .lowering import sync_points
     size = placement.size
     nch = len(placement.chunks)
     prev_of = [placement.prev_chunk(c) for c in range(nch)]
@@ -48,6 +52,12 @@ def compute_timing(placement: Placement, orders: list, costs, want_starts: bool 
     starts: dict = {}
     num_ranks = placement.num_ranks
     pc, clock = [0] * num_ranks, [0.0] * num_ranks
+    points = [sync_points(placement, r, orders[r]) if syncs else {} for r in range(num_ranks)]
+    posts: dict = {}            # stage -> {rank: time its sync was posted}
+    for r in range(num_ranks):
+        for stage in points[r].get(-1, ()):
+            clock[r] += costs.sync_post
+            posts.setdefault(stage, {})[r] = clock[r]
     work = deque(range(num_ranks))
     queued = [True] * num_ranks
     while work:
@@ -83,11 +93,17 @@ def compute_timing(placement: Placement, orders: list, costs, want_starts: bool 
                     if not queued[other]:
                         queued[other] = True
                         work.append(other)
+            for stage in points[r].get(i, ()):
+                t += costs.sync_post
+                posts.setdefault(stage, {})[r] = t
             i += 1
         pc[r], clock[r] = i, t
     if any(pc[r] < len(orders[r]) for r in range(num_ranks)):
         raise RuntimeError("compute orders cannot complete (a dependency cycle); simulate() says where")
-    return max(clock) if clock else 0.0, starts
+    makespan = max(clock) if clock else 0.0
+    for posted in posts.values():
+        makespan = max(makespan, max(posted.values()) + (costs.allreduce if len(posted) > 1 else 0.0))
+    return makespan, starts
 
 
 def list_schedule(placement: Placement, limits: list, cost=(1.0, 1.0, 1.0), prefer_late_chunk=True,

@@ -8,64 +8,19 @@ user plans with: makespan, bubble ratio, busy time, in-flight activations and we
 Execution model: a rank runs its ops in order, one compute at a time. Sends are
 non-blocking; a message arrives ``comm`` after it is posted. Receives block. A gradient
 sync is posted without blocking and completes ``allreduce`` after its last member posts;
-the optimizer step waits for it. Ranks are advanced by an event-driven worklist, so the
-cost is linear in the number of ops.
+a SYNC_WAIT waits for it. A global CLIP is a collective of every rank (their norms are
+summed). Ranks are advanced by an event-driven worklist, so the cost is linear in the
+number of ops.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..schedules.actions import (BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, Action, CommBatch,
-                                 GradSync, OptimizerStep)
+from ..schedules.actions import (BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, Action, ClipGrads, ClipScope,
+                                 CommBatch, GradSync, OptimizerStep, SyncWait)
+from ..schedules.costs import UNIT_COSTS, Costs  # noqa: F401  (Costs is part of the simulator's API)
 from ..schedules.lowering import Program, gc_paused
-
-
-@dataclass(frozen=True)
-class Costs:
-    """Per micro-batch costs of one rank's worth of layers; a chunk pays them times its size.
-
-    ``bwd`` is the full backward. A split backward pays ``bwd - wgrad`` for I and
-    ``wgrad`` for W. ``comm`` is the latency of one point-to-point message, ``allreduce``
-    the time of one stage's gradient all-reduce. ``send`` and ``recv`` are the rank's own
-    time to post one message and to take one that has arrived (the runtime's per-message
-    cost on the host: negligible next to GPU kernels, a visible share on CPU ranks), and
-    ``sync_post`` its own time to post one gradient sync (gather the stage's gradients,
-    post the all-reduce): the rank computes nothing meanwhile.
-    """
-
-    fwd: float = 1.0
-    bwd: float = 2.0
-    wgrad: float = 1.0
-    comm: float = 0.0
-    allreduce: float = 0.0
-    send: float = 0.0
-    recv: float = 0.0
-    sync_post: float = 0.0
-
-    def __post_init__(self):
-        for name in ("fwd", "bwd", "wgrad", "comm", "allreduce", "send", "recv", "sync_post"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"cost {name} must be a number >= 0, got {value!r}")
-        if self.fwd <= 0 or self.bwd <= 0:
-            raise ValueError(f"costs fwd and bwd must be > 0, got fwd={self.fwd}, bwd={self.bwd}")
-        if self.wgrad > self.bwd:
-            raise ValueError(f"cost wgrad must be at most bwd ({self.bwd}), got {self.wgrad}")
-
-    def of(self, kind: str) -> float:
-        if kind == FORWARD:
-            return self.fwd
-        if kind == BACKWARD:
-            return self.bwd
-        if kind == INPUT_GRAD:
-            return self.bwd - self.wgrad
-        if kind == WEIGHT_GRAD:
-            return self.wgrad
-        return 0.0
-
-
-UNIT_COSTS = Costs(fwd=1.0, bwd=1.0, wgrad=0.5)
 
 
 @dataclass
@@ -152,6 +107,10 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
     sync_waiters: dict = {}
     posted = [dict() for _ in range(num_ranks)]    # stage -> times posted by this rank
     own_syncs = [[] for _ in range(num_ranks)]     # keys posted by rank, not yet awaited
+    clip_round = [0] * num_ranks                   # global clips each rank has reached
+    clip_posted = [-1] * num_ranks                 # op index of the rank's current global clip
+    clip_arrivals: dict = {}                       # clip round -> {rank: arrival time}
+    stepped = [set() for _ in range(num_ranks)]    # chunks each rank stepped with an OptimizerStep
     group_orders: dict = {}             # (group, rank) -> stages in posting order
 
     pc = [0] * num_ranks
@@ -227,18 +186,13 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                     if i_end[idx] is None:
                         error(f"rank {r}: {op} runs before its input-grad")
                     live[r] -= size
-                else:   # STEP
+                else:   # STEP: one chunk's optimizer step, after a SYNC_WAIT of its stage
                     if b_end[idx] is None and w_end[idx] is None:
                         error(f"rank {r}: {op} steps before micro-batch {mb}'s gradient exists")
-                    stage = chunk_stage[c]
-                    times = posted[r].get(stage)
-                    if times:
-                        skey = (stage, len(times) - 1)
-                        finish = sync_done_time(skey)
-                        if finish is None:
-                            sync_waiters.setdefault(skey, []).append(r)
-                            break
-                        t = max(t, finish)
+                    unawaited = [key for key in own_syncs[r] if key[0] == chunk_stage[c]]
+                    if unawaited:
+                        error(f"rank {r}: {op} steps while the gradient sync of stage {chunk_stage[c]} is "
+                              f"still pending (no SYNC_WAIT before it)")
                 dt = cost_of[kind]
                 records.append((r, kind, c, mb, t, t + dt))
                 t += dt
@@ -310,10 +264,11 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                 if sync_done_time(skey) is not None:
                     for waiter in sync_waiters.pop(skey, ()):
                         wake(waiter)
-            elif type(op) is OptimizerStep:
+            elif type(op) is SyncWait:
                 pending = None
                 finish = t
-                for skey in own_syncs[r]:
+                waited = [key for key in own_syncs[r] if key[0] in op.stages]
+                for skey in waited:
                     when = sync_done_time(skey)
                     if when is None:
                         pending = skey
@@ -322,10 +277,35 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                 if pending is not None:
                     sync_waiters.setdefault(pending, []).append(r)
                     break
-                for skey in own_syncs[r]:
+                for skey in waited:
                     sync_records.append((r, skey[0], sync_posts[skey][r], sync_done_time(skey)))
-                own_syncs[r] = []
+                own_syncs[r] = [key for key in own_syncs[r] if key[0] not in op.stages]
                 t = finish
+            elif type(op) is ClipGrads:
+                if op.scope == ClipScope.GLOBAL:
+                    # a collective of every rank: the squared norms are summed over the pipeline
+                    if clip_posted[r] != i:         # first visit: this rank arrives
+                        clip_posted[r] = i
+                        clip_round[r] += 1
+                        arrived = clip_arrivals.setdefault(clip_round[r], {})
+                        arrived[r] = t
+                        if len(arrived) == num_ranks:
+                            for other in range(num_ranks):
+                                wake(other)
+                    arrived = clip_arrivals[clip_round[r]]
+                    if len(arrived) < num_ranks:
+                        break
+                    t = max(t, max(arrived.values()))
+                elif op.stage not in stage_chunks_on[r]:
+                    error(f"rank {r}: clips stage {op.stage}, which it does not hold")
+            elif type(op) is OptimizerStep:
+                for c in op.chunks:
+                    if not 0 <= c < nch or chunk_rank[c] != r:
+                        error(f"rank {r}: steps chunk {c}, which it does not hold")
+                stepped[r].update(op.chunks)
+                if own_syncs[r]:
+                    error(f"rank {r}: steps the optimizer while the gradient syncs of stages "
+                          f"{sorted({key[0] for key in own_syncs[r]})} are still pending (no SYNC_WAIT before it)")
             else:
                 error(f"rank {r}: unknown op {op!r}")
             i += 1
@@ -343,6 +323,10 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                       f"({edge_recv.get(edge, [])[:6]} vs {order[:6]}); NCCL would pair them wrongly")
         if program.synchronous:
             for r in range(num_ranks):
+                never = sorted(set(placement.chunks_on(r)) - stepped[r])
+                if never:
+                    error(f"rank {r} never steps the optimizer on chunks {never} (a synchronous program ends "
+                          f"with SYNC_WAIT, CLIP and STEP)")
                 for stage in stage_chunks_on[r]:
                     if len(placement.stage_group(stage)) > 1 and not posted[r].get(stage):
                         error(f"rank {r} never posts the gradient sync of replicated stage {stage}")
@@ -365,11 +349,13 @@ def _describe_wait(program, rank, index, messages, sync_posts, sync_groups) -> s
         missing = [m for m in op.recvs if m not in messages]
         return "; ".join(f"waits for {m.kind} of micro-batch {m.mb} from chunk {m.src} "
                          f"on rank {placement.rank_of(m.src)}" for m in missing) or "waits in a comm batch"
-    if type(op) in (OptimizerStep, Action):
+    if type(op) is ClipGrads:
+        return f"op {index} ({op}) waits for every rank to reach its global clip"
+    if type(op) in (SyncWait, Action):
         waits = [f"stage {stage} sync from ranks {sorted(set(sync_groups[(stage, n)]) - set(posts))}"
                  for (stage, n), posts in sync_posts.items()
                  if rank in posts and len(posts) < len(sync_groups[(stage, n)])]
-        return f"op {index} ({type(op).__name__}) waits for " + ("; ".join(waits) or "gradient syncs")
+        return f"op {index} ({op}) waits for " + ("; ".join(waits) or "gradient syncs")
     return f"stuck at op {index}: {op!r}"
 
 

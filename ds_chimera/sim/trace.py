@@ -5,12 +5,11 @@ step can be opened side by side in chrome://tracing or ui.perfetto.dev.
 """
 from __future__ import annotations
 
-import json
-import os
+from ..atomic import write_json_atomic
+from ..schedules.actions import Kind
 
-from ..schedules.actions import STEP
-
-KIND_NAMES = {"F": "forward", "B": "backward", "I": "input-grad", "W": "weight-grad", STEP: "step"}
+KIND_NAMES = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.INPUT_GRAD: "input-grad",
+              Kind.WEIGHT_GRAD: "weight-grad", Kind.STEP: "step"}
 
 
 def trace_events(records, placement=None, time_unit_us: float = 1000.0, label: str = "sim") -> list:
@@ -29,14 +28,6 @@ def trace_events(records, placement=None, time_unit_us: float = 1000.0, label: s
                        "tid": 0, "ts": start * time_unit_us, "dur": max(end - start, 0) * time_unit_us,
                        "args": args})
     return events
-
-
-def write_json_atomic(path: str, obj) -> None:
-    """Write JSON through a temporary file and a rename, so readers never see half a file."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh)
-    os.replace(tmp, path)
 
 
 def write_trace(path: str, records, placement=None, time_unit_us: float = 1000.0, label: str = "sim") -> None:

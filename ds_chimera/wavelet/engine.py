@@ -25,7 +25,6 @@ timing noise would let it drift.
 """
 from __future__ import annotations
 
-import logging
 import os
 import statistics
 import time
@@ -36,10 +35,13 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from deepspeed.runtime.engine import DeepSpeedEngine
 
+from ..logs import get_logger
+from ..runtime.clipping import clip_by_norm
 from ..runtime.p2p import post_or_fail, wait_or_fail
+from ..validation import check_fraction, check_seconds
 from .layout import TICK, WaveLayout
 
-log = logging.getLogger("ds_chimera")
+log = get_logger()
 DEFAULT_TIMEOUT_S = 300.0
 HISTORY = 64          # step times kept per task (the controller reads the last few)
 
@@ -50,12 +52,8 @@ def wavelet_options(config: dict) -> dict:
     unknown = sorted(set(section) - {"enabled", "offset", "timeout"})
     if unknown:
         raise ValueError(f'"wavelet" option {unknown[0]!r} is not understood; allowed: enabled, offset, timeout')
-    offset = section.get("offset", 0.5)
-    if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not 0 <= offset < 1:
-        raise ValueError(f'"wavelet": {{"offset": ...}} must be a fraction of a cycle in [0, 1), got {offset!r}')
-    timeout = section.get("timeout", DEFAULT_TIMEOUT_S)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f'"wavelet": {{"timeout": ...}} must be a number of seconds > 0, got {timeout!r}')
+    offset = check_fraction('"wavelet"', "offset (a fraction of a cycle)", section.get("offset", 0.5))
+    timeout = check_seconds('"wavelet"', "timeout", section.get("timeout", DEFAULT_TIMEOUT_S))
     for key, what in (("fp16", "fp16"), ("bf16", "bf16"), ("bfloat16", "bf16")):
         if (config.get(key) or {}).get("enabled"):
             raise ValueError(f"wavelet with {what}: the waves exchange fp32 gradients and apply them with the "
@@ -64,7 +62,7 @@ def wavelet_options(config: dict) -> dict:
     if zero:
         raise ValueError(f"wavelet with ZeRO stage {zero}: every task applies every update, so it needs the "
                          f"whole optimizer state; use ZeRO stage 0")
-    return {"offset": float(offset), "timeout": float(timeout)}
+    return {"offset": offset, "timeout": timeout}
 
 
 class WaveletEngine(DeepSpeedEngine):
@@ -98,8 +96,8 @@ class WaveletEngine(DeepSpeedEngine):
         self.last_wait = 0.0                      # seconds the last step waited to keep the offset
         self._step_open = False
         if dist.get_rank() == 0:
-            print(f"[ds_chimera] wavelet: {self.layout.world // 2} devices x 2 waves, offset "
-                  f"{wavelet['offset']:g} cycle, one update per wave step (staleness 1)", flush=True)
+            log.info("wavelet: %d devices x 2 waves, offset %g cycle, one update per wave step (staleness 1)",
+                     self.layout.world // 2, wavelet["offset"])
 
     @property
     def wave_name(self) -> str:
@@ -199,7 +197,8 @@ class WaveletEngine(DeepSpeedEngine):
             else:
                 p.grad.copy_(g)
         if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+            grads = [p.grad for p in self.params]
+            clip_by_norm(grads, grads, self.clip)
 
     def _send_partner(self, flat: torch.Tensor, cycle: float, start: float) -> None:
         """The wave's averaged gradient, plus this step's duration and start (for the offset)."""

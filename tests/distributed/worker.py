@@ -118,7 +118,7 @@ def train_and_compare(schedule, stages, dp, n, steps=3, tied=False, clip=0.5, ac
     ref_eval = sum(torch.nn.functional.mse_loss(_forward(ref_layers, x), y).item()
                    for x, y in global_batches(steps)) / (n * dp)
     result["eval_diff"] = abs(eval_loss - ref_eval)
-    result["zero1_early_chunks"] = getattr(engine, "zero1_early_chunks", None)
+    result["zero1_early_chunks"] = getattr(getattr(engine, "host", None), "zero1_early_chunks", None)
     early = torch.tensor([getattr(getattr(engine, "p2p", None), "early_receives", 0)], device=_comm_device())
     tdist.all_reduce(early)
     result["early_receives"] = early.item()

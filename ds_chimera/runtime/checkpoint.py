@@ -1,0 +1,125 @@
+"""Checkpoints of a scheduled pipeline: DeepSpeed's layout, written atomically.
+
+Layer files keep DeepSpeed's names (``layer_XX[-<rank>]-model_states.pt``, by global layer
+index), so a checkpoint moves between schedules and to the stock engine. Each stage is
+written once even where it is replicated (by its lowest rank, on data-parallel rank 0).
+A save goes to ``TAG.incomplete/`` and is renamed to ``TAG/`` once every rank is done;
+only then does ``latest`` name it, so a crash mid-save leaves the previous checkpoint and
+``latest`` untouched. ``ds_chimera_layout.json`` records what decides which parameters (and
+so which optimizer state) each rank holds, so a load under another layout is refused
+before it would misread the optimizer state.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from ..atomic import torch_save_atomic, write_json_atomic, write_text_atomic
+
+LAYOUT_FILE = "ds_chimera_layout.json"
+INCOMPLETE = ".incomplete"
+
+
+def layer_objects(engine) -> dict:
+    """Global layer index -> (stage, built layer object) for every chunk of this rank."""
+    from .chunks import layer_objects as chunk_layers
+    out = {}
+    for chunk in engine.module.ds_chimera_chunks:
+        out.update({idx: (chunk.stage, obj) for idx, obj in chunk_layers(chunk).items()})
+    return out
+
+
+def layer_file(engine, path: str, idx: int) -> str:
+    """DeepSpeed's name for a layer file: layer_XX[-<rank repr>]-model_states.pt."""
+    repr_ = engine.grid._topo.get_rank_repr(rank=engine.global_rank)
+    return os.path.join(path, f"layer_{idx:02d}{'-' + repr_ if repr_ else ''}-model_states.pt")
+
+
+def owned_layers(engine) -> dict:
+    """Global layer index -> layer, for the layers this rank writes out (checkpoints, HF export)."""
+    if engine.grid.get_data_parallel_id() != 0:
+        return {}
+    placement, rank = engine.placement, engine.pipe_rank
+    return {idx: obj for idx, (stage, obj) in sorted(layer_objects(engine).items())
+            if min(placement.stage_group(stage)) == rank and hasattr(obj, "state_dict")}
+
+
+def save_layers(engine, path: str, exclude_frozen_parameters: bool = False) -> None:
+    if engine.grid.get_data_parallel_id() != 0:
+        return
+    os.makedirs(path, exist_ok=True)
+    for idx, obj in owned_layers(engine).items():
+        state = {k: v.detach().clone() for k, v in obj.state_dict().items()}
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in obj.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        torch_save_atomic(state, layer_file(engine, path, idx))
+
+
+def load_layers(engine, path: str, strict: bool = True) -> None:
+    import torch
+    for idx, (_, obj) in sorted(layer_objects(engine).items()):
+        if not hasattr(obj, "load_state_dict"):
+            continue
+        file = layer_file(engine, path, idx)
+        if not os.path.exists(file):
+            raise FileNotFoundError(f"checkpoint {path} has no weights for layer {idx} ({file})")
+        obj.load_state_dict(torch.load(file, map_location=engine.device, weights_only=False), strict=strict)
+
+
+def layout(engine) -> dict:
+    """What decides which parameters (and so which optimizer state) each rank holds."""
+    return {"schedule": engine.schedule.name, "stages": engine.num_stages, "data_parallel": engine.dp_size,
+            "parts": [int(p) for p in engine.plan.parts],
+            "stage_ranks": [[int(r) for r in ranks] for ranks in engine.placement.stage_ranks]}
+
+
+def read_latest(load_dir: str):
+    path = os.path.join(load_dir, "latest")
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        return fh.read().strip()
+
+
+def check_layout(engine, load_dir: str, tag) -> None:
+    """Refuse optimizer state saved under another layout (it would be misread)."""
+    path = os.path.join(load_dir, str(tag), LAYOUT_FILE) if tag is not None else ""
+    saved = None
+    if path and os.path.exists(path):
+        with open(path) as fh:
+            saved = json.load(fh)
+    if saved != layout(engine):
+        raise ValueError(f"checkpoint {load_dir}/{tag} was written under {saved or 'another engine'}, "
+                         f"this engine is {layout(engine)}: its optimizer state does not map onto these "
+                         f"chunks. Load the weights only: load_checkpoint(..., load_optimizer_states=False, "
+                         f"load_lr_scheduler_states=False)")
+
+
+def stage_dir(save_dir: str, tag: str) -> str:
+    return os.path.join(save_dir, f"{tag}{INCOMPLETE}")
+
+
+def publish(engine, save_dir: str, tag: str, save_latest: bool) -> None:
+    """Rank 0, once every rank has written: record the layout, rename the staged tag, point ``latest`` at it."""
+    final, staged = os.path.join(save_dir, tag), stage_dir(save_dir, tag)
+    write_json_atomic(os.path.join(staged, LAYOUT_FILE), layout(engine))
+    if os.path.isdir(final):
+        old = f"{final}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(staged, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staged, final)
+    if save_latest:
+        write_text_atomic(os.path.join(save_dir, "latest"), tag)
+    remove_stale(save_dir)
+
+
+def remove_stale(save_dir: str) -> None:
+    """Remove what interrupted saves left behind (``*.incomplete``, ``*.old``): a complete save supersedes them."""
+    for name in os.listdir(save_dir):
+        if name.endswith(INCOMPLETE) or name.endswith(".old"):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)

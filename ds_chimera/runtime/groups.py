@@ -1,0 +1,76 @@
+"""The process groups a placement needs, created once, in one order, on every rank.
+
+``dist.new_group`` is collective over the whole world, so every rank creates every group
+(for every pipeline of the world) in the same order and keeps the ones it belongs to.
+The DeepSpeed engine and the Megatron contract both build theirs here:
+
+- one group per model stage over the ranks that hold a replica of it (Chimera's two
+  copies), either within each pipeline, or spanning every pipeline (the data-parallel
+  copies too: DeepSpeed's data-parallel gradient all-reduce and the replica sync are then
+  one collective);
+- one group per tied-weight key over the ranks holding a module of it;
+- NCCL only: one two-rank group per (edge, direction), because NCCL matches messages by
+  issue order, not by tag.
+
+Group creation is bounded by the pipeline timeout (a missing rank fails, it does not hang).
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+class PipelineGroups:
+    """Groups of one placement. ``pipelines[d][p]``: global rank of pipeline rank ``p`` in pipeline ``d``.
+
+    ``stage`` and ``tied`` hold the groups this process is a member of (None: a group of one).
+    """
+
+    def __init__(self, placement, pipelines: list, mine: int, timeout_s: float, *, span_pipelines: bool = False,
+                 tied_holders: dict | None = None, nccl_edges: bool = False, stages: list | None = None):
+        self.placement, self.pipelines, self.mine = placement, [list(p) for p in pipelines], mine
+        me = dist.get_rank()
+        self.timeout = timedelta(seconds=timeout_s)
+        self._cache: dict = {}
+        self.stage: dict = {}        # stage -> group (None: a group of one)
+        self.tied: dict = {}         # tied key -> group
+        self.edges: dict = {}        # (src chunk, dst chunk, kind) -> group, NCCL only
+        slices = [None] if span_pipelines else list(range(len(self.pipelines)))
+        for stage in (range(placement.num_stages) if stages is None else stages):
+            holders = placement.stage_group(stage)
+            for d in slices:
+                ranks = self._ranks(holders, d)
+                group = self._group(ranks)
+                if me in ranks:
+                    self.stage[stage] = group
+        for key in sorted(tied_holders or {}):
+            for d in slices:
+                ranks = self._ranks(tied_holders[key], d)
+                group = self._group(ranks)
+                if me in ranks:
+                    self.tied[key] = group
+        if nccl_edges:
+            for d, ranks in enumerate(self.pipelines):
+                for chunk in placement.chunks:
+                    nxt = placement.next_chunk(chunk.index)
+                    if nxt is None or placement.rank_of(nxt) == chunk.rank:
+                        continue
+                    pair = sorted({ranks[chunk.rank], ranks[placement.rank_of(nxt)]})
+                    for key in ((chunk.index, nxt, "act"), (nxt, chunk.index, "grad")):
+                        group = self._new(pair)
+                        if d == mine:
+                            self.edges[key] = group
+
+    def _ranks(self, pipe_ranks, d) -> tuple:
+        pipelines = self.pipelines if d is None else [self.pipelines[d]]
+        return tuple(sorted({ranks[p] for ranks in pipelines for p in pipe_ranks}))
+
+    def _new(self, ranks):
+        return dist.new_group(list(ranks), timeout=self.timeout)
+
+    def _group(self, ranks: tuple):
+        """One group per distinct rank set (two stages with the same holders share it); None for one rank."""
+        if ranks not in self._cache:
+            self._cache[ranks] = self._new(ranks) if len(ranks) > 1 else None
+        return self._cache[ranks]

@@ -1,0 +1,77 @@
+"""Timing of a step's compute actions, and profiler ranges around them.
+
+On a CPU the host clock is the compute clock. On an accelerator the host only launches
+kernels, so its clock would record launches: there each action is bracketed by device
+events on the current stream, resolved once at the end of the step (one synchronisation,
+after the work). Records are (rank, kind, chunk, mb, start s, end s) from the step start.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+
+def profiler_range(op):
+    """``torch.profiler.record_function`` for ``op`` while a profiler runs; free otherwise."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(f"ds_chimera.{op}")
+    return contextlib.nullcontext()
+
+
+class HostClock:
+    """Marks are host times (perf_counter)."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def mark(self):
+        return time.perf_counter()
+
+    def seconds(self, mark) -> float:
+        return mark - self.t0
+
+
+class DeviceClock:
+    """Marks are device events recorded on the current stream; seconds are read after the step."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.module = getattr(torch, self.device.type)
+        self.t0 = self.mark()
+
+    def mark(self):
+        event = self.module.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark) -> float:
+        mark.synchronize()
+        return self.t0.elapsed_time(mark) / 1000.0
+
+
+def clock_for(device):
+    """Device events where the device has them (cuda, xpu...), else the host clock."""
+    device = torch.device(device)
+    module = getattr(torch, device.type, None)
+    if device.type != "cpu" and module is not None and hasattr(module, "Event") and \
+            getattr(module, "is_available", lambda: False)():
+        return DeviceClock(device)
+    return HostClock()
+
+
+class StepTrace:
+    """Collects one step's action marks; :meth:`records` resolves them to seconds."""
+
+    def __init__(self, rank: int, device="cpu", clock=None):
+        self.rank = rank
+        self.clock = clock if clock is not None else clock_for(device)
+        self.marks: list = []
+
+    def add(self, kind, chunk: int, mb: int, start, end) -> None:
+        self.marks.append((kind, chunk, mb, start, end))
+
+    def records(self) -> list:
+        seconds = self.clock.seconds
+        return [(self.rank, kind, chunk, mb, seconds(start), seconds(end)) for kind, chunk, mb, start, end in self.marks]

@@ -1,0 +1,62 @@
+"""The cost model of one rank's work, in the units schedules and the simulator share.
+
+It lives beside the schedules (not in the simulator) because schedules that choose their
+own order from costs (Chimera's ``auto``) need it, and imports flow only downwards:
+schedules <- simulator <- runtime.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
+
+COST_NAMES = ("fwd", "bwd", "wgrad", "comm", "allreduce", "send", "recv", "sync_post")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per micro-batch costs of one rank's worth of layers; a chunk pays them times its size.
+
+    ``bwd`` is the full backward. A split backward pays ``bwd - wgrad`` for I and
+    ``wgrad`` for W. ``comm`` is the latency of one point-to-point message, ``allreduce``
+    the time of one stage's gradient all-reduce. ``send`` and ``recv`` are the rank's own
+    time to post one message and to take one that has arrived (the runtime's per-message
+    cost on the host: negligible next to GPU kernels, a visible share on CPU ranks), and
+    ``sync_post`` its own time to post one gradient sync (gather the stage's gradients,
+    post the all-reduce): the rank computes nothing meanwhile.
+    """
+
+    fwd: float = 1.0
+    bwd: float = 2.0
+    wgrad: float = 1.0
+    comm: float = 0.0
+    allreduce: float = 0.0
+    send: float = 0.0
+    recv: float = 0.0
+    sync_post: float = 0.0
+
+    def __post_init__(self):
+        for name in COST_NAMES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0:
+                raise ValueError(f"cost {name} must be a finite number >= 0, got {value!r}")
+        if self.fwd <= 0 or self.bwd <= 0:
+            raise ValueError(f"costs fwd and bwd must be > 0, got fwd={self.fwd}, bwd={self.bwd}")
+        if self.wgrad > self.bwd:
+            raise ValueError(f"cost wgrad must be at most bwd ({self.bwd}), got {self.wgrad}")
+
+    def of(self, kind: str) -> float:
+        if kind == FORWARD:
+            return self.fwd
+        if kind == BACKWARD:
+            return self.bwd
+        if kind == INPUT_GRAD:
+            return self.bwd - self.wgrad
+        if kind == WEIGHT_GRAD:
+            return self.wgrad
+        return 0.0
+
+
+UNIT_COSTS = Costs(fwd=1.0, bwd=1.0, wgrad=0.5)
