@@ -8,6 +8,8 @@ __version__ = "0.1.0"
 from .integrations.deepspeed import initialize, install_when_imported
 
 install_when_imported()
+from .hf.hook import install as _install_hf_hooks  # noqa: E402
+_install_hf_hooks()      # an HF Trainer whose DeepSpeed config has "pipeline" trains pipelined
 
 
 def _megatron_launch() -> None:

@@ -1,14 +1,15 @@
 """Train a tiny random HF causal LM with the Hugging Face Trainer on a ds_chimera pipeline schedule.
 
-    DS_ACCELERATOR=cpu torchrun --nproc_per_node 4 examples/hf_trainer.py --deepspeed configs/chimera.json
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 4 examples/hf_trainer.py --schedule chimera
 
-The model (GPT-2 or Llama) is built from a small config, so nothing is downloaded. The data
-is generated: sequences that count upwards modulo the vocabulary with a random stride per
-sequence, so the model must read the context to predict the next token. The schedule
-comes from the DeepSpeed config (``"pipeline": {"schedule": ...}``); training uses
-``ds_chimera.hf.PipelineTrainer``, a ``transformers.Trainer``: its logging, callbacks and
-``save_model`` work as usual, and the saved folder is a standard HF checkpoint, which rank 0
-reloads with ``AutoModelForCausalLM.from_pretrained`` at the end.
+This is the explicit path: ``ds_chimera.hf.PipelineTrainer``. (An unchanged script using
+``transformers.Trainer`` gets the same by importing ds_chimera, or by running under
+``ds-chimera launch``: see docs/hf.md.) The model (GPT-2 or Llama) is built from a small
+config, so nothing is downloaded. The data is generated: sequences that count upwards modulo
+the vocabulary with a random stride per sequence, so the model must read the context to
+predict the next token. The DeepSpeed config is just ``{"pipeline": {"schedule": NAME}}``:
+batch sizes, clipping and the optimizer come from the TrainingArguments. The saved folder is
+a standard HF checkpoint, which rank 0 reloads with ``AutoModelForCausalLM.from_pretrained``.
 """
 import argparse
 import json
@@ -16,7 +17,7 @@ import os
 
 import torch
 
-from ds_chimera.hf import PipelineTrainer  # noqa: I001  (before TrainingArguments: accepts pipeline configs)
+from ds_chimera.hf import PipelineTrainer
 from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                           TrainingArguments, default_data_collator)
 
@@ -44,40 +45,41 @@ def tiny_model(kind: str, layers: int):
                                         max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0))
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--deepspeed", default="configs/chimera.json")
+    parser.add_argument("--schedule", default="chimera", help="any ds_chimera schedule (ds-chimera list)")
     parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--micro_batches", type=int, default=8, help="gradient_accumulation_steps: N per step")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--output_dir", default="demo_out/hf_trainer")
     parser.add_argument("--local_rank", type=int, default=0)   # passed by the deepspeed launcher
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
-    with open(args.deepspeed) as fh:
-        micro = json.load(fh).get("train_micro_batch_size_per_gpu", 2)
     training_args = TrainingArguments(
-        output_dir=args.output_dir, deepspeed=args.deepspeed, per_device_train_batch_size=micro,
-        per_device_eval_batch_size=micro, max_steps=args.steps, learning_rate=args.lr, warmup_steps=2,
-        logging_steps=5, eval_strategy="steps", eval_steps=args.steps // 2, save_strategy="no",
-        report_to="none", disable_tqdm=True, seed=0)
+        output_dir=args.output_dir, deepspeed={"pipeline": {"schedule": args.schedule}},
+        per_device_train_batch_size=2, per_device_eval_batch_size=4, gradient_accumulation_steps=args.micro_batches,
+        max_steps=args.steps, learning_rate=args.lr, warmup_steps=2, logging_steps=5, eval_strategy="steps",
+        eval_steps=max(1, args.steps // 2), save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
     model = tiny_model(args.model, args.layers)
     trainer = PipelineTrainer(model=model, args=training_args, train_dataset=counting_dataset(4096, seed=1),
                               eval_dataset=counting_dataset(64, seed=2), data_collator=default_data_collator)
     trainer.train()
     final = os.path.join(args.output_dir, "final")
-    trainer.save_model(final)                       # every rank takes part; rank 0 writes
+    trainer.save_model(final)                       # every rank takes part; the main process writes
     if trainer.is_world_process_zero():
         reloaded = AutoModelForCausalLM.from_pretrained(final).eval()
         prompt = counting_dataset(1, seed=3)[0]["input_ids"][None, :SEQ // 2]
         with torch.no_grad():
             guess = reloaded(input_ids=prompt).logits[0, -1].argmax().item()
         losses = [round(h["loss"], 3) for h in trainer.state.log_history if "loss" in h]
-        print(f"[hf_trainer] schedule {trainer.setup.schedule}, {trainer.setup.stages} stages x "
-              f"{trainer.setup.data_parallel} data-parallel, {trainer.setup.micro_batches} micro-batches per step; "
-              f"logged losses {losses}; saved {sorted(os.listdir(final))} to {final}; reloaded "
-              f"{type(reloaded).__name__} continues {prompt[0, -3:].tolist()} with {guess}", flush=True)
+        setup = trainer.setup
+        print(f"[hf_trainer] schedule {setup.schedule}, {setup.stages} stages x {setup.data_parallel} data-parallel, "
+              f"{setup.micro_batches} micro-batches per step; logged losses {json.dumps(losses)}; saved "
+              f"{sorted(os.listdir(final))} to {final}; reloaded {type(reloaded).__name__} continues "
+              f"{prompt[0, -3:].tolist()} with {guess}", flush=True)
+    return trainer
 
 
 if __name__ == "__main__":

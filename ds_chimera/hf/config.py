@@ -1,16 +1,19 @@
-"""The DeepSpeed config a PipelineTrainer runs, reconciled with its TrainingArguments.
+"""The DeepSpeed config a pipelined Trainer runs, reconciled with its TrainingArguments.
 
-HF's own reconciliation assumes pure data parallelism (train_batch_size = world size x
-micro-batch x accumulation), which is wrong for a pipeline, so it is redone here with the
-pipeline's data-parallel size. Everything is checked before any model work; each error
-names the bad value and what is allowed. Rules:
+The TrainingArguments are the source of truth, as in HF's own DeepSpeed integration: a
+config value of ``"auto"`` (or a missing key) takes the argument's value, and a concrete value
+that disagrees is an error naming both and the fix. HF's reconciliation assumes pure data
+parallelism (train_batch_size = world x micro x accumulation), which is wrong for a pipeline,
+so it is redone here:
 
 - micro-batch size = ``per_device_train_batch_size``;
-- micro-batches per step N = the config's ``gradient_accumulation_steps``, else
-  ``train_batch_size / (micro x dp)``, else ``args.gradient_accumulation_steps``;
-- stages D = ``"pipeline": {"stages": D}``, else the world size (data parallel = world / D);
-- ``gradient_clipping`` and the optimizer/scheduler sections of the config win; their
-  ``"auto"`` values (and a missing clipping) come from the TrainingArguments.
+- micro-batches per step N = ``gradient_accumulation_steps``;
+- stages D = ``"pipeline": {"stages": D}``, else the world size; data parallel = world / D;
+- ``train_batch_size`` = micro x N x data parallel;
+- clipping = ``max_grad_norm``; the optimizer / scheduler sections' ``"auto"`` values come
+  from the arguments (the scheduler's step counts once training starts).
+
+Everything here runs in the Trainer's constructor, before any model or data work.
 """
 from __future__ import annotations
 
@@ -30,10 +33,16 @@ class PipelineSetup:
     data_parallel: int
     micro_batch: int
     micro_batches: int     # N per step
+    max_grad_norm: float   # the Trainer's; the engine always computes the norm (see engine_clip)
 
     @property
     def global_batch(self) -> int:
         return self.micro_batch * self.micro_batches * self.data_parallel
+
+    @property
+    def engine_clip(self) -> float:
+        """The engine clips at this norm; with clipping off, at infinity, so it still reports the norm."""
+        return self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
 
 
 def load_config(value) -> dict:
@@ -48,29 +57,74 @@ def load_config(value) -> dict:
         except json.JSONDecodeError:
             import hjson     # DeepSpeed's own config reader; a dependency of deepspeed
             return dict(hjson.loads(text))
-    raise ValueError(f"PipelineTrainer needs TrainingArguments(deepspeed=...) to be a DeepSpeed config dict or the "
-                     f"path of a JSON file with a \"pipeline\": {{\"schedule\": ...}} section; got {value!r}")
+    raise ValueError(f"TrainingArguments(deepspeed=...) must be a DeepSpeed config dict or the path of a JSON "
+                     f"file with a \"pipeline\": {{\"schedule\": ...}} section; got {value!r}")
 
 
-def _number(config: dict, key: str):
+def _concrete(config: dict, key: str):
     value = config.get(key)
     return None if value is None or value == AUTO else value
 
 
-# TrainingArguments the pipeline loop would otherwise ignore: (attribute, value it must have, what to do instead)
+def _agree(config: dict, key: str, expected, argument: str, fix: str) -> None:
+    """Fill an "auto" / missing key; refuse a concrete value that disagrees with the arguments."""
+    value = _concrete(config, key)
+    if value is not None and value != expected:
+        raise ValueError(f"the DeepSpeed config's {key}={value!r} disagrees with {argument}; {fix}")
+    config[key] = expected
+
+
+def _batch_keys(config: dict, micro: int, n: int, dp: int, stages: int, world: int) -> None:
+    auto = 'set it to "auto"'
+    _agree(config, "train_micro_batch_size_per_gpu", micro, f"per_device_train_batch_size={micro}",
+           f"{auto} or pass --per_device_train_batch_size {_concrete(config, 'train_micro_batch_size_per_gpu')}")
+    _agree(config, "gradient_accumulation_steps", n, f"gradient_accumulation_steps={n} (the micro-batches of "
+           f"one pipeline step)", f"{auto} or pass --gradient_accumulation_steps "
+           f"{_concrete(config, 'gradient_accumulation_steps')}")
+    tbs = _concrete(config, "train_batch_size")
+    if tbs is not None and tbs != micro * n * dp:
+        hint = f"{auto}"
+        if isinstance(tbs, int) and tbs % (micro * dp) == 0:
+            hint += f" or pass --gradient_accumulation_steps {tbs // (micro * dp)}"
+        raise ValueError(f"the DeepSpeed config's train_batch_size={tbs} disagrees with per_device_train_batch_size "
+                         f"{micro} x gradient_accumulation_steps {n} x data-parallel size {dp} (world size {world} / "
+                         f"{stages} pipeline stages) = {micro * n * dp}; {hint}")
+    config["train_batch_size"] = micro * n * dp
+
+
+# TrainingArguments a pipeline cannot honour: (attribute, value it must have, why / what to do instead)
 IGNORED_ARGUMENTS = [
     ("label_smoothing_factor", 0.0, "the loss is ds_chimera.hf's causal-LM loss without smoothing"),
-    ("gradient_checkpointing", False, "use PipelineTrainer(..., activation_checkpoint_interval=K)"),
+    ("activation_checkpointing", (False, None), "use PipelineTrainer(..., activation_checkpoint_interval=K) or "
+                                                "\"pipeline\": {\"activation_checkpoint_interval\": K}"),
+    ("gradient_checkpointing", (False, None), "use \"pipeline\": {\"activation_checkpoint_interval\": K}"),
     ("load_best_model_at_end", False, "pick the checkpoint from state.log_history yourself"),
-    ("average_tokens_across_devices", True, "the loss is always the mean over the global batch's tokens"),
+    ("fp16", False, "fp16 (loss scaling) is not supported by ds_chimera schedules yet; use bf16 or fp32"),
+    ("fp16_full_eval", False, "evaluation runs in the training precision"),
+    ("bf16_full_eval", False, "evaluation runs in the training precision"),
+    ("torch_compile", False, "the pipeline stages are not compiled"),
+    ("auto_find_batch_size", False, "the schedule is built for one batch size; set per_device_train_batch_size"),
+    ("neftune_noise_alpha", None, "the embedding runs inside the pipeline, without NEFTune's hook"),
+    ("use_liger_kernel", False, "the pipeline layers are HF's own modules"),
+    ("push_to_hub", False, "push the saved folder yourself after training"),
 ]
+SAMPLING = ("random", "sequential")
 
 
-def _refuse_ignored_arguments(args) -> None:
+def refuse_ignored_arguments(args) -> None:
     for attr, allowed, instead in IGNORED_ARGUMENTS:
-        value = getattr(args, attr, allowed)
-        if value != allowed:
-            raise ValueError(f"PipelineTrainer does not support TrainingArguments({attr}={value!r}); {instead}")
+        value = getattr(args, attr, None)
+        ok = value in allowed if isinstance(allowed, tuple) else (value == allowed or value is None)
+        if not ok:
+            raise ValueError(f"a pipelined Trainer does not support TrainingArguments({attr}={value!r}); {instead}")
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy not in SAMPLING:
+        raise ValueError(f"a pipelined Trainer does not support train_sampling_strategy={strategy!r}: every rank "
+                         f"must draw the same global batches; use one of {', '.join(SAMPLING)}")
+    seedable = getattr(getattr(args, "accelerator_config", None), "use_seedable_sampler", True)
+    if seedable is False:
+        raise ValueError("a pipelined Trainer needs accelerator_config.use_seedable_sampler=True: every rank must "
+                         "draw the same shuffled order, whatever else its random generator did")
 
 
 def resolve(raw, args, world_size: int) -> PipelineSetup:
@@ -80,69 +134,79 @@ def resolve(raw, args, world_size: int) -> PipelineSetup:
     config = load_config(raw)
     section = config.get("pipeline")
     if not isinstance(section, dict) or "schedule" not in section:
-        raise ValueError(f"PipelineTrainer needs a \"pipeline\": {{\"schedule\": NAME}} section in the DeepSpeed "
-                         f"config; available schedules: {', '.join(sorted(registry.available()))}")
+        raise ValueError(f"the DeepSpeed config's \"pipeline\" section needs a schedule: \"pipeline\": {{\"schedule\": "
+                         f"NAME}} with NAME one of {', '.join(sorted(registry.available()))}; got {section!r}")
     name, options, _ = schedule_options(section)        # unknown schedule or option: a clear error
-    _refuse_ignored_arguments(args)
-    if getattr(args, "fp16", False):
-        raise ValueError("fp16 training (loss scaling) is not supported by ds_chimera schedules yet; use bf16 or fp32")
+    refuse_ignored_arguments(args)
     check_precision_and_zero(config)                     # fp16 / ZeRO in the config, as deepspeed.initialize would
     stages = section.get("stages", AUTO)
     stages = world_size if stages == AUTO else stages
     if not isinstance(stages, int) or stages < 1 or world_size % stages:
         raise ValueError(f"\"pipeline\": {{\"stages\": {stages!r}}} must divide the world size {world_size}")
     dp = world_size // stages
-    micro = args.per_device_train_batch_size
-    cfg_micro = _number(config, "train_micro_batch_size_per_gpu")
-    if cfg_micro is not None and cfg_micro != micro:
-        raise ValueError(f"the DeepSpeed config's train_micro_batch_size_per_gpu={cfg_micro} disagrees with "
-                         f"per_device_train_batch_size={micro}; set one of them to match (or the config's to \"auto\")")
-    gas, tbs = _number(config, "gradient_accumulation_steps"), _number(config, "train_batch_size")
-    if gas is not None:
-        n = int(gas)
-        if tbs is not None and tbs != micro * n * dp:
-            raise ValueError(f"train_batch_size {tbs} != per_device_train_batch_size {micro} x "
-                             f"gradient_accumulation_steps {n} x data-parallel size {dp}")
-    elif tbs is not None:
-        if tbs % (micro * dp):
-            raise ValueError(f"train_batch_size {tbs} is not divisible by per_device_train_batch_size {micro} x "
-                             f"data-parallel size {dp} (world size {world_size} / {stages} stages)")
-        n = tbs // (micro * dp)
-    else:
-        n = args.gradient_accumulation_steps
-    if args.gradient_accumulation_steps not in (1, n):
-        raise ValueError(f"gradient_accumulation_steps={args.gradient_accumulation_steps} disagrees with the DeepSpeed "
-                         f"config's {n} micro-batches per step; leave it at 1 or make them equal")
+    micro, n = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    if dp > 1 and not getattr(args, "average_tokens_across_devices", True):
+        raise ValueError("average_tokens_across_devices=False with data parallelism: the pipeline averages the loss "
+                         "over the tokens of the whole global batch; leave it True")
+    _batch_keys(config, micro, n, dp, stages, world_size)
     schedule = registry.get(name)(stages, n, **options)  # the schedule's own limits (e.g. N vs D), now
     check_precision_and_zero(config, schedule)           # and ZeRO-1 with replicated stages (Chimera)
-    config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=n,
-                  train_batch_size=micro * n * dp)
-    clip = config.get("gradient_clipping")
-    config["gradient_clipping"] = float(args.max_grad_norm or 0.0) if clip in (None, AUTO) else clip
-    if args.bf16:
-        config["bf16"] = {**(config.get("bf16") or {}), "enabled": True}
+    clip = float(args.max_grad_norm or 0.0)
+    if _concrete(config, "gradient_clipping") is not None and float(config["gradient_clipping"]) != clip:
+        raise ValueError(f"the DeepSpeed config's gradient_clipping={config['gradient_clipping']!r} disagrees with "
+                         f"max_grad_norm={args.max_grad_norm}; set it to \"auto\" or pass --max_grad_norm "
+                         f"{config['gradient_clipping']}")
+    config["gradient_clipping"] = clip
+    _agree_precision(config, args)
     _fill_optimizer(config, args)
-    return PipelineSetup(config, name, stages, dp, micro, n)
+    return PipelineSetup(config, name, stages, dp, micro, n, clip)
+
+
+def _agree_precision(config: dict, args) -> None:
+    section = config.get("bf16") or config.get("bfloat16")
+    enabled = (section or {}).get("enabled", AUTO)
+    if enabled == AUTO:
+        if args.bf16:
+            config["bf16"] = {**(section or {}), "enabled": True}
+        elif section is not None:
+            section["enabled"] = False
+    elif bool(enabled) != bool(args.bf16):
+        raise ValueError(f"the DeepSpeed config's bf16.enabled={enabled!r} disagrees with bf16={args.bf16}; set it "
+                         f"to \"auto\" or pass --bf16 {bool(enabled)}")
 
 
 def _fill_optimizer(config: dict, args) -> None:
-    params = (config.get("optimizer") or {}).get("params")
-    if not isinstance(params, dict):
-        return
-    fills = {"lr": args.learning_rate, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon,
-             "weight_decay": args.weight_decay}
-    for key, value in fills.items():
-        if params.get(key) == AUTO:
-            params[key] = value
+    """The config optimizer's "auto" values from the arguments; concrete ones must agree (HF's rule)."""
+    for section, fills in (("optimizer", {"lr": ("learning_rate", args.learning_rate),
+                                          "betas": ("adam_beta1/adam_beta2", [args.adam_beta1, args.adam_beta2]),
+                                          "eps": ("adam_epsilon", args.adam_epsilon),
+                                          "weight_decay": ("weight_decay", args.weight_decay)}),
+                           ("scheduler", {"warmup_max_lr": ("learning_rate", args.learning_rate),
+                                          "warmup_min_lr": (None, 0)})):
+        params = (config.get(section) or {}).get("params")
+        if not isinstance(params, dict):
+            continue
+        for key, (argument, value) in fills.items():
+            current = params.get(key)
+            if current == AUTO:
+                params[key] = value
+            elif argument is not None and current is not None and not _same(current, value):
+                raise ValueError(f"the DeepSpeed config's {section}.params.{key}={current} disagrees with "
+                                 f"{argument}={value}; set it to \"auto\" or pass the same value")
+
+
+def _same(config_value, value) -> bool:
+    if isinstance(value, list):
+        return isinstance(config_value, (list, tuple)) and [float(v) for v in config_value] == [float(v) for v in value]
+    return float(config_value) == float(value)
 
 
 def fill_scheduler(config: dict, args, max_steps: int) -> None:
-    """Fill a config scheduler's "auto" values once the number of steps is known."""
+    """Fill a config scheduler's "auto" step counts once the number of steps is known."""
     params = (config.get("scheduler") or {}).get("params")
     if not isinstance(params, dict):
         return
-    fills = {"total_num_steps": max_steps, "warmup_num_steps": max(1, args.get_warmup_steps(max_steps)),
-             "warmup_max_lr": args.learning_rate, "warmup_min_lr": 0}
+    fills = {"total_num_steps": max_steps, "warmup_num_steps": max(1, args.get_warmup_steps(max_steps))}
     for key, value in fills.items():
         if params.get(key) == AUTO:
             params[key] = value

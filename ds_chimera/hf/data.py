@@ -1,14 +1,19 @@
-"""Turn an HF dataset into the engine's steps: N micro-batches of (inputs, labels) per data-parallel rank.
+"""The Trainer's batches as the engine's micro-batches, weighted so the engine computes the Trainer's loss.
 
-Every rank computes the same global batches (a seeded permutation per epoch), so ranks
-agree without communication. A step's global batch of ``micro x N x dp`` samples is cut
-into dp contiguous shards of N micro-batches. Each rank collates the whole global batch:
-it needs the number of scored tokens of all of it to weight the loss as HF's Trainer does
-(see :mod:`.loss`), and collating is cheap next to a pipeline step.
+Every rank reads the same batches from the Trainer's dataloader (see :mod:`.accel`). A
+training step's batches are the Trainer's accumulation batches; with data parallelism each is
+cut into ``dp`` row slices, one per replica, as HF's distributed sampler would deal them out.
+An evaluation batch is cut into ``N x dp`` row slices, so one eval batch fills the pipeline.
+Missing micro-batches (a short last accumulation, an eval batch with fewer rows than slices)
+are one-row fillers whose labels score nothing.
 
-Inputs are ``input_ids``, or ``(input_ids, attention_mask)`` when the collator returns a
-mask. Training drops a last partial global batch (the engine's N is fixed); evaluation
-pads it with samples whose labels are all ignored, so every sample counts once.
+The engine returns, and back-propagates, the mean of the micro-batches' losses over ``N`` and
+``dp``. Each micro-batch's loss is its summed token loss times a weight (:mod:`.loss`):
+
+- with HF's ``num_items_in_batch`` (models that take loss kwargs), ``N * dp / num_items``, so
+  the mean is the summed loss over the whole step's tokens divided by HF's count;
+- without it, ``N / (accumulation * tokens of the slice)``: the mean of the per-micro-batch
+  token means divided by the accumulation steps, as HF does then.
 """
 from __future__ import annotations
 
@@ -19,76 +24,67 @@ from .loss import IGNORE_INDEX, count_targets
 USED_KEYS = {"input_ids", "attention_mask", "labels"}
 
 
-def epoch_order(size: int, seed: int, epoch: int, shuffle: bool = True) -> list:
-    """Sample order of one epoch: a permutation seeded by ``seed + epoch`` (the same on every rank)."""
-    if not shuffle:
-        return list(range(size))
-    return torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+def check_batch(batch) -> None:
+    """Refuse what the pipeline layers cannot honour, naming it."""
+    unknown = sorted(set(batch) - USED_KEYS)
+    if unknown:
+        # e.g. packed sequences' position_ids: dropping them would train something else, silently
+        raise ValueError(f"a pipelined Trainer feeds only {sorted(USED_KEYS)} to the pipeline; the batch also has "
+                         f"{unknown}, which its layers cannot honour (positions are 0..T-1). Remove those columns "
+                         f"or train without a \"pipeline\" section")
+    if "input_ids" not in batch:
+        raise ValueError(f"a pipelined Trainer needs input_ids in each batch; it has {sorted(batch)}")
 
 
-class Batches:
-    """Global batches of a dataset, collated into per-rank micro-batches for ``train_batch``/``eval_batch``."""
+def _rows(batch: dict, index: torch.Tensor) -> dict:
+    return {key: value.index_select(0, index.to(value.device)) for key, value in batch.items()}
 
-    def __init__(self, dataset, collator, micro_batch: int, micro_batches: int, data_parallel: int, seed: int = 0):
-        self.dataset, self.collator = dataset, collator
-        self.micro, self.n, self.dp = micro_batch, micro_batches, data_parallel
-        self.uses_mask = None             # fixed by the first batch: every message must keep one structure
-        self.seed, self.calls = seed, 0
 
-    @property
-    def size(self) -> int:
-        return self.micro * self.n * self.dp
+def filler(batch: dict) -> dict:
+    """One row of ``batch`` whose labels score nothing: a micro-batch that changes no loss or gradient."""
+    row = _rows(batch, torch.tensor([0]))
+    labels = row.get("labels", row["input_ids"])
+    row["labels"] = torch.full_like(labels, IGNORE_INDEX)
+    return row
 
-    def train_steps(self, order: list) -> list:
-        """Index lists of the full global batches in ``order`` (a last partial one is dropped)."""
-        return [order[i:i + self.size] for i in range(0, len(order) - self.size + 1, self.size)]
 
-    def eval_steps(self) -> list:
-        """Index lists covering the dataset once; None marks padding that scores nothing."""
-        indices = list(range(len(self.dataset)))
-        steps = [indices[i:i + self.size] for i in range(0, len(indices), self.size)]
-        if steps and len(steps[-1]) < self.size:
-            steps[-1] = steps[-1] + [None] * (self.size - len(steps[-1]))
-        return steps
+def split_rows(batch: dict, parts: int) -> list:
+    """``parts`` contiguous row slices of ``batch`` (fillers where there are too few rows)."""
+    rows = batch["input_ids"].shape[0]
+    return [_rows(batch, index) if index.numel() else filler(batch)
+            for index in torch.tensor_split(torch.arange(rows), parts)]
 
-    def _collate(self, indices: list) -> dict:
-        real = [i for i in indices if i is not None]
-        filler = real[0] if real else 0
-        batch = self.collator([self.dataset[filler if i is None else i] for i in indices])
-        unknown = sorted(set(batch) - USED_KEYS)
-        if unknown:
-            # e.g. packed sequences' position_ids: dropping them would train something else, silently
-            raise ValueError(f"PipelineTrainer uses only {sorted(USED_KEYS)} from each batch; the collator also "
-                             f"returned {unknown}, which the pipeline layers cannot honour (positions are 0..T-1)")
-        if "labels" not in batch:
-            raise ValueError("PipelineTrainer needs labels in each batch (e.g. DataCollatorForLanguageModeling("
-                             f"tokenizer, mlm=False), or a 'labels' column); the collator returned {sorted(batch)}")
-        if len(real) < len(indices):
-            labels = batch["labels"].clone()
-            labels[[k for k, i in enumerate(indices) if i is None]] = IGNORE_INDEX
-            batch["labels"] = labels
-        return batch
 
-    def step(self, indices: list, dp_rank: int) -> tuple:
-        """(this rank's N (inputs, (labels, weight)) pairs, scored tokens, input tokens), both of the global batch."""
-        # Every rank collates the global batch itself. A collator that draws random numbers (masking,
-        # noise) must draw the same ones everywhere, whatever else each rank's RNG did meanwhile.
-        self.calls += 1
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed * 1_000_003 + self.calls)
-            micro = [self._collate(indices[k * self.micro:(k + 1) * self.micro]) for k in range(self.n * self.dp)]
-        total = sum(count_targets(b["labels"]) for b in micro)
-        weight = torch.tensor(self.n * self.dp / total if total else 0.0, dtype=torch.float32)
-        seen = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in micro)
-        mine = micro[dp_rank * self.n:(dp_rank + 1) * self.n]
-        return [(self._inputs(b), (b["labels"], weight)) for b in mine], total, seen
+def _pair(batch: dict, weight: float, tag: int, uses_mask: bool):
+    ids = batch["input_ids"]
+    inputs = (ids, batch["attention_mask"].to(ids.dtype)) if uses_mask else ids
+    labels = batch["labels"] if "labels" in batch else torch.full_like(ids, IGNORE_INDEX)
+    return inputs, (labels, torch.tensor(float(weight), dtype=torch.float32), torch.tensor(tag))
 
-    def _inputs(self, batch: dict):
-        has_mask = "attention_mask" in batch
-        if self.uses_mask is None:
-            self.uses_mask = has_mask
-        if has_mask != self.uses_mask:
-            raise ValueError("the collator returned attention_mask for some batches and not for others; the pipeline "
-                             "sends one structure between stages: make it return one always or never")
-        ids = batch["input_ids"]
-        return (ids, batch["attention_mask"].to(ids.dtype)) if has_mask else ids
+
+def train_micro_batches(batches: list, n: int, dp: int, dp_rank: int, num_items, accumulation: int,
+                        uses_mask: bool) -> list:
+    """This data-parallel rank's ``n`` (inputs, (labels, weight, tag)) pairs for one training step."""
+    if len(batches) > n:
+        raise ValueError(f"a pipeline step runs {n} micro-batches, the Trainer gave {len(batches)}")
+    slices = [split_rows(b, dp)[dp_rank] for b in batches]
+    if num_items is not None:
+        total = float(num_items)
+        weights = [n * dp / total if total else 0.0 for _ in slices]
+    else:
+        weights = [n / (accumulation * count) if count else 0.0
+                   for count in (count_targets(s["labels"]) for s in slices)]
+    pairs = [_pair(s, w, -1, uses_mask) for s, w in zip(slices, weights)]
+    pairs += [_pair(filler(batches[0]), 0.0, -1, uses_mask) for _ in range(n - len(batches))]
+    return pairs
+
+
+def eval_micro_batches(batch: dict, n: int, dp: int, dp_rank: int, weight: float, uses_mask: bool) -> list:
+    """This data-parallel rank's ``n`` pairs for one evaluation batch; real slices are tagged 0..n*dp-1."""
+    rows = batch["input_ids"].shape[0]
+    parts = split_rows(batch, n * dp)
+    pairs = []
+    for k in range(dp_rank * n, (dp_rank + 1) * n):
+        real = k < rows
+        pairs.append(_pair(parts[k], weight if real else 0.0, k if real else -1, uses_mask))
+    return pairs

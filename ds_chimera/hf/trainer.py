@@ -1,279 +1,274 @@
 """``PipelineTrainer``: a ``transformers.Trainer`` whose steps run a ds_chimera pipeline schedule.
 
-The model is converted with :func:`to_pipeline`, and ``TrainingArguments(deepspeed=...)``'s
-config picks the schedule. The training loop is replaced (one ``engine.train_batch`` per
-step: the schedule runs all N micro-batches, syncs, clips and steps), but the Trainer's own
-machinery drives it: ``TrainerState``, the callbacks (``on_step_end`` decides logging,
-evaluation, saving and stopping), ``self.log`` and ``state.log_history``.
+HF's own training loop runs unchanged (dataloader, epochs, ``num_items_in_batch``,
+logging cadence, callbacks, evaluation, checkpoints, resuming); a few of its hooks are
+pointed at the pipeline engine:
 
-Launch it on all ranks (``torchrun`` / ``deepspeed``); every rank builds only the chunks
-its schedule places on it. Rank identity comes from torch.distributed, because accelerate
-reports one process for DeepSpeed on CPU.
+- ``training_step`` collects the step's accumulation batches and, at the last one, runs
+  them as the schedule's N micro-batches in one ``engine.train_batch`` (which also syncs,
+  clips and steps); the loss is weighted to be exactly the Trainer's (:mod:`.data`);
+- the optimizer is the Trainer's own, rebuilt over the pipeline's parameters (:mod:`.optim`);
+  its scheduler is stepped by HF's loop, so ``learning_rate`` is logged as HF logs it;
+- ``prediction_step`` runs eval batches through the schedule's forward passes
+  (:mod:`.evaluation`); ``compute_metrics`` sees every prediction on every rank;
+- checkpoints add the engine's state and are written atomically (:mod:`.checkpoint`).
+
+From the Trainer's point of view the run is one process holding the global batch
+(:mod:`.accel`); which rank logs and saves follows HF's ``should_log`` / ``should_save``.
+An unchanged ``Trainer`` becomes this class when ds_chimera is imported (:mod:`.routing`).
 """
 from __future__ import annotations
 
-import math
 import os
-import time
 
 import torch
+import torch.distributed as dist
 from transformers import Trainer
-from transformers.trainer_callback import ExportableState, TrainerState
-from transformers.trainer_utils import TrainOutput, rotate_checkpoints, speed_metrics
 
-from .config import fill_scheduler, resolve
+from .accel import OneProcessView
+from .args import pipeline_config_of
+from .build import build_engine
+from .checkpoint import begin, commit, load_pipeline_state, save_pipeline_state
+from .checks import check_model_fits, check_trainable
+from .config import resolve
 from .convert import to_pipeline
-from .data import Batches, epoch_order
-from .export import export_pretrained, gather_layer_states, load_into
-from .layout import describe, pipeline_hf_names
-from .loss import causal_lm_loss
+from .data import check_batch, train_micro_batches
+from .evaluation import predict_batch
+from .export import gather_layer_states, hf_state_dict, load_into
+from .layout import describe
+from .loss import PipelineLoss
+from .optim import EngineScheduler, EngineStepped, torch_optimizer
+from .rng import ComputeRNG
 
-UNSUPPORTED = {"model_init": "pass a model", "compute_loss_func": "the loss is the causal-LM loss of ds_chimera.hf",
-               "compute_metrics": "evaluate() reports eval_loss only (the logits stay on the last stage)",
-               "preprocess_logits_for_metrics": "evaluate() reports eval_loss only (the logits stay on the last stage)",
-               "optimizers": "configure the optimizer in TrainingArguments or the DeepSpeed config",
-               "optimizer_cls_and_kwargs": "configure the optimizer in TrainingArguments or the DeepSpeed config"}
+UNSUPPORTED = {"model_init": "pass a model (hyperparameter search re-creates models, which a pipeline cannot)",
+               "compute_loss_func": "the loss is the causal-LM loss of ds_chimera.hf, computed on the last stage"}
 
 
 def _world() -> tuple:
-    """(rank, world size, local rank) from torch.distributed, else from the launcher's environment."""
-    import torch.distributed as dist
+    """(rank, world size) of the initialised process group, else of the launcher's environment."""
+    import os
     if dist.is_available() and dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-    else:
-        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    return rank, world, int(os.environ.get("LOCAL_RANK", 0))
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 class PipelineTrainer(Trainer):
-    """Trainer for HF causal LMs on a pipeline schedule (see the module docstring).
+    """A Trainer for HF causal LMs on a pipeline schedule (see the module docstring).
 
     Extra keywords: ``partition_method`` (how layers are cut into stages, DeepSpeed's:
-    ``parameters``, ``uniform`` or ``type:REGEX``), ``activation_checkpoint_interval``,
-    ``shuffle`` (seeded per epoch, default True) and ``update_model`` (copy the trained
-    weights back into ``trainer.model`` after ``train()``, default True).
+    ``parameters``, ``uniform`` or ``type:REGEX``), ``activation_checkpoint_interval`` and
+    ``update_model`` (copy the trained weights back into ``trainer.model`` after ``train()``,
+    default True).
     """
 
-    def __init__(self, model=None, args=None, *, partition_method: str = "parameters",
-                 activation_checkpoint_interval: int = 0, shuffle: bool = True, update_model: bool = True, **kwargs):
+    def __init__(self, model=None, args=None, *positional, partition_method: str = "parameters",
+                 activation_checkpoint_interval: int = 0, update_model: bool = True, **kwargs):
+        from .routing import check_overrides
+        check_overrides(type(self))
+        if positional:
+            raise TypeError("PipelineTrainer takes model and args positionally, everything else by keyword")
         for key, fix in UNSUPPORTED.items():
-            if kwargs.get(key) not in (None, (None, None)):
-                raise ValueError(f"PipelineTrainer does not take {key}=...; {fix}")
+            if kwargs.get(key) is not None:
+                raise ValueError(f"a pipelined Trainer does not take {key}=...; {fix}")
+        optimizers = kwargs.get("optimizers") or (None, None)
+        if optimizers[1] is not None:
+            raise ValueError("a pipelined Trainer rebuilds the optimizer over the pipeline's stages, so a scheduler "
+                             "instance bound to yours would not drive it: pass optimizers=(optimizer, None) and set "
+                             "lr_scheduler_type, or configure a \"scheduler\" in the DeepSpeed config")
         if model is None or args is None:
-            raise ValueError("PipelineTrainer needs model= (an HF causal LM) and args= (TrainingArguments with deepspeed=)")
-        if not args.deepspeed:
+            raise ValueError("a pipelined Trainer needs model= (an HF causal LM) and args= (TrainingArguments with "
+                             "deepspeed= a config with a \"pipeline\": {\"schedule\": NAME} section)")
+        if pipeline_config_of(args.deepspeed) is None:
             raise ValueError("PipelineTrainer needs TrainingArguments(deepspeed=CONFIG) with a \"pipeline\": "
-                             "{\"schedule\": NAME} section (e.g. configs/chimera.json)")
+                             f"{{\"schedule\": NAME}} section (e.g. configs/chimera.json); got {args.deepspeed!r}")
+        rank, world = _world()
         self.layout = describe(model)                              # unconvertible model: fails here
-        _, world, _ = _world()
-        self.setup = resolve(args.deepspeed, args, world)          # bad batch / ZeRO / schedule: fails here
+        self.setup = resolve(args.deepspeed, args, world)          # batch keys, ZeRO, schedule limits
+        from ..runtime.plan import schedule_options
+        _, options, _ = schedule_options(self.setup.config["pipeline"])
+        check_model_fits(self.layout, self.setup, options, world)  # enough layers for the stages
+        check_trainable(model)
         self.layer_specs = to_pipeline(model)                      # (then a numerical check for pp_plan models)
-        from ..schedules import registry
-        if self.layout.tied and not registry.get(self.setup.schedule).synchronous:
-            raise ValueError(f"schedule {self.setup.schedule!r} updates stages on their own clocks and cannot keep "
-                             f"{self.layout.model_class}'s tied embedding and head equal; use a synchronous schedule "
-                             f"or a model with tie_word_embeddings=False")
         self.partition_method = partition_method
         self.activation_checkpoint_interval = activation_checkpoint_interval
-        self.shuffle, self.update_model = shuffle, update_model
-        self.engine = None
+        self.update_model = update_model
+        self.engine = self.hf_optimizer = None
+        self.pipeline_loss = PipelineLoss()
+        self.compute_rng = ComputeRNG(args.seed, rank)
+        self._pending, self._mask = [], None
+        self._step_grad_norm = None
+        self._staging = None
         super().__init__(model=model, args=args, **kwargs)
+        # HF's own DeepSpeed paths (deepspeed_init, DeepSpeed saving) must never run: the engine is ours
+        self.is_deepspeed_enabled = False
 
-    # ---- ranks (accelerate's view is wrong for DeepSpeed on CPU) -----------------------------
-    def is_world_process_zero(self) -> bool:
-        return _world()[0] == 0
+    # ---- the Trainer sees one process holding the global batch ---------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        self.accelerator = OneProcessView(self.accelerator)
+        self.gather_function = self.accelerator.gather_for_metrics
 
-    def is_local_process_zero(self) -> bool:
-        return _world()[2] == 0
+    def get_train_dataloader(self):
+        if self.setup.data_parallel == 1:
+            return super().get_train_dataloader()
+        # with data parallelism a "batch" is the rows of all replicas, dealt out in training_step
+        return self._get_dataloader(dataset=self.train_dataset, description="Training",
+                                    batch_size=self._train_batch_size * self.setup.data_parallel,
+                                    sampler_fn=self._get_train_sampler, is_training=True)
 
-    # ---- the engine ---------------------------------------------------------------------------
-    def _max_steps(self) -> tuple:
-        """(max_steps, steps per epoch, epochs) from the train dataset and the arguments."""
-        if self.train_dataset is None:
-            raise ValueError("PipelineTrainer.train() needs train_dataset")
-        batches = self._batches(self.train_dataset, self.setup.micro_batch)
-        per_epoch = len(self.train_dataset) // batches.size
-        if per_epoch == 0:
-            raise ValueError(f"train_dataset has {len(self.train_dataset)} samples, fewer than one global batch of "
-                             f"{batches.size} (per_device_train_batch_size {self.setup.micro_batch} x "
-                             f"{self.setup.micro_batches} micro-batches x data-parallel {self.setup.data_parallel})")
-        if self.args.max_steps > 0:
-            steps = self.args.max_steps
-        else:
-            steps = math.ceil(self.args.num_train_epochs * per_epoch)
-        return steps, per_epoch, math.ceil(steps / per_epoch)
+    def get_total_train_batch_size(self, args) -> int:
+        return self.setup.global_batch
 
-    def _ensure_engine(self, max_steps: int | None = None):
-        """Build the PipelineModule and ds_chimera engine once (collective: every rank)."""
-        if self.engine is not None:
-            return self.engine
-        import deepspeed
-        from deepspeed.pipe import PipelineModule
+    def store_flos(self) -> None:
+        # every rank counted the same global batches: the single-process total, not a sum over ranks
+        self.state.total_flos += self.current_flos
+        self.current_flos = 0
 
-        from ..integrations.deepspeed import initialize
-        if max_steps is None:
-            max_steps = self._max_steps()[0] if self.train_dataset is not None else max(self.args.max_steps, 1)
-        deepspeed.init_distributed(dist_backend=None)
-        config = dict(self.setup.config)
-        fill_scheduler(config, self.args, max_steps)
-        net = PipelineModule(layers=self.layer_specs, num_stages=self.setup.stages, loss_fn=causal_lm_loss,
-                             partition_method=self.partition_method, dynamic_shape=True,
-                             activation_checkpoint_interval=self.activation_checkpoint_interval)
-        optimizer = None if "optimizer" in config else self._optimizer_factory(net)
-        scheduler = None if "scheduler" in config else self._scheduler_factory(max_steps)
-        engine, _, _, _ = initialize(model=net, config=config, optimizer=optimizer, lr_scheduler=scheduler)
-        self.engine = engine
-        self.optimizer, self.lr_scheduler = engine.optimizer, engine.lr_scheduler
-        self.model_wrapped = engine
-        return engine
-
-    def _optimizer_factory(self, net):
-        """The optimizer TrainingArguments describe, with HF's weight-decay groups, over the chunks' parameters."""
-        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
-        decay = set(self.get_decay_parameter_names(self.model))
-        layout, weight_decay = self.layout, self.args.weight_decay
-
-        def make(params):
-            names = pipeline_hf_names(net.ds_chimera_chunks, layout)
-            params = list(params)
-            groups = [{"params": [p for p in params if names.get(id(p)) in decay], "weight_decay": weight_decay},
-                      {"params": [p for p in params if names.get(id(p)) not in decay], "weight_decay": 0.0}]
-            return cls([g for g in groups if g["params"]], **kwargs)
-        return make
-
-    def _scheduler_factory(self, max_steps: int):
-        from transformers.optimization import get_scheduler
-        args = self.args
-
-        def make(optimizer):
-            return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.get_warmup_steps(max_steps),
-                                 num_training_steps=max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs)
-        return make
-
-    def _batches(self, dataset, micro: int) -> Batches:
-        return Batches(dataset, self.data_collator, micro, self.setup.micro_batches, self.setup.data_parallel,
-                       seed=self.args.seed)
-
-    def _dp_rank(self) -> int:
+    @property
+    def dp_rank(self) -> int:
         return self.engine.grid.get_data_parallel_id()
 
-    # ---- training -----------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """Train for ``max_steps`` (or ``num_train_epochs``) steps of one global batch each."""
-        if resume_from_checkpoint not in (None, False):
-            raise ValueError("PipelineTrainer cannot resume_from_checkpoint yet; load the pipeline state with "
-                             "trainer.engine.load_checkpoint(<checkpoint-N>/pipeline) after building the engine")
-        if trial is not None or kwargs:
-            raise ValueError(f"PipelineTrainer.train() takes no trial or extra arguments, got {sorted(kwargs) or 'trial'}")
-        args = self.args
-        max_steps, per_epoch, epochs = self._max_steps()
+    @property
+    def engine_owns_scheduler(self) -> bool:
+        return "scheduler" in self.setup.config
+
+    def _uses_mask(self, batch) -> bool:
+        check_batch(batch)
+        has = "attention_mask" in batch
+        if self._mask is None:
+            self._mask = has
+        if has != self._mask:
+            raise ValueError("the collator returned attention_mask for some batches and not for others; the pipeline "
+                             "sends one structure between stages: make it return one always or never")
+        return has
+
+    # ---- the engine ----------------------------------------------------------------------------
+    def _ensure_engine(self, max_steps: int | None = None):
+        """Build the PipelineModule and engine once (collective: every rank)."""
+        if self.engine is None:
+            with self.compute_rng.active():
+                self.engine = build_engine(self, max_steps)
+            self.optimizer = EngineStepped(self.engine.optimizer)
+            self.model_wrapped = self.engine
+        return self.engine
+
+    def _planned_max_steps(self) -> int:
+        """The number of training steps, for a config scheduler built before training (evaluation first)."""
+        if self.train_dataset is None:
+            raise ValueError("the DeepSpeed config's \"scheduler\" needs the number of training steps: pass "
+                             "train_dataset (or set its total_num_steps) before evaluating")
+        return self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        """HF's hook between data and loop: the engine instead of accelerate.prepare(model, optimizer)."""
+        if self._created_lr_scheduler:
+            self.lr_scheduler, self._created_lr_scheduler = None, False
         engine = self._ensure_engine(max_steps)
-        batches = self._batches(self.train_dataset, self.setup.micro_batch)
-        self.is_in_train = True
-        self.state = TrainerState(stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control]
-                                                      if isinstance(cb, ExportableState)])
-        self.state.train_batch_size = self.setup.micro_batch
-        self.state.compute_steps(args, max_steps)
-        self.state.init_training_references(self, max_steps, epochs, None)
+        if self.engine_owns_scheduler:
+            self.lr_scheduler = EngineScheduler(engine)
+        else:
+            self.create_scheduler(num_training_steps=max_steps, optimizer=torch_optimizer(engine.optimizer))
+        if self.model not in self.accelerator._models:
+            self.accelerator._models.append(self.model)     # as accelerate.prepare would have
+        if resume_from_checkpoint is not None:
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
-        start = time.time()
-        self._since_log, self._logged_at, total_loss = 0.0, 0, 0.0
-        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
-        if args.eval_on_start:
-            self.evaluate(ignore_keys=ignore_keys_for_eval)
-        seed = args.data_seed if args.data_seed is not None else args.seed
-        for epoch in range(epochs):
-            self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
-            steps = batches.train_steps(epoch_order(len(self.train_dataset), seed, epoch, self.shuffle))
-            for k, indices in enumerate(steps):
-                self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-                data, _, tokens = batches.step(indices, self._dp_rank())
-                loss = engine.train_batch(iter(data)).item()
-                total_loss += loss
-                self._since_log += loss
-                self.state.global_step += 1
-                self.state.epoch = epoch + (k + 1) / len(steps)
-                self.state.num_input_tokens_seen += tokens
-                self.control = self.callback_handler.on_step_end(args, self.state, self.control)
-                self._log_save_evaluate(start, ignore_keys_for_eval)
-                if self.control.should_training_stop or self.state.global_step >= max_steps:
-                    break
-            self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
-            self._log_save_evaluate(start, ignore_keys_for_eval)
-            if self.control.should_training_stop or self.state.global_step >= max_steps:
-                break
-        done = self.state.global_step
-        metrics = speed_metrics("train", start, num_samples=done * self.setup.global_batch, num_steps=done)
-        metrics["train_loss"] = total_loss / max(done, 1)
-        self.log(metrics)
+        self.callback_handler.train_dataloader = train_dataloader
+        self._pending = []
+        return self.model, train_dataloader
+
+    # ---- training ------------------------------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Collect the step's batches; at the last one, run the whole step through the schedule."""
+        self._uses_mask(inputs)
+        self._pending.append(inputs)
+        device = self.args.device
+        if len(self._pending) < self.current_gradient_accumulation_steps:
+            return torch.zeros((), device=device)
+        batches, self._pending = self._pending, []
+        setup = self.setup
+        pairs = train_micro_batches(batches, setup.micro_batches, setup.data_parallel, self.dp_rank,
+                                    num_items_in_batch, len(batches), self._mask)
+        with self.compute_rng.active():
+            loss = self.engine.train_batch(iter(pairs))
+        self._step_grad_norm = getattr(self.engine, "_global_grad_norm", None)
+        return loss.detach().reshape(()).to(device)
+
+    def _clip_grad_norm(self, model):
+        return self._step_grad_norm          # the engine clipped; this is the norm before clipping
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return self._step_grad_norm if grad_norm is None else grad_norm
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        raise RuntimeError("ds_chimera: a pipelined Trainer computes the loss on the last pipeline stage; "
+                           "compute_loss is not called")
+
+    def _finalize_training(self, trial, num_train_samples, start_time):
         if self.update_model:
-            load_into(self.model, gather_layer_states(engine, dst=None))
-        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
-        self.is_in_train = False
-        return TrainOutput(done, metrics["train_loss"], metrics)
+            load_into(self.model, gather_layer_states(self.engine, dst=None))
+        return super()._finalize_training(trial, num_train_samples, start_time)
 
-    def _log_save_evaluate(self, start: float, ignore_keys) -> None:
-        """What the callbacks asked for after a step: log, evaluate, save."""
-        if self.control.should_log and self.state.global_step > self._logged_at:
-            logs = {"loss": self._since_log / (self.state.global_step - self._logged_at),
-                    "learning_rate": float(self.engine.get_lr()[0])}
-            norm = getattr(self.engine, "_global_grad_norm", None)
-            if norm is not None:
-                logs["grad_norm"] = float(norm)
-            self._since_log, self._logged_at = 0.0, self.state.global_step
-            self.log(logs, start)
-        if self.control.should_evaluate:
-            self.evaluate(ignore_keys=ignore_keys)
-        if self.control.should_save:
-            self._save_checkpoint(self.model, None)
-            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+    # ---- evaluation and prediction -------------------------------------------------------------
+    def evaluation_loop(self, *args, **kwargs):
+        """HF's loop; the logits are preprocessed where they are (the last stages), not after the step."""
+        self._ensure_engine()
+        preprocess, self.preprocess_logits_for_metrics = self.preprocess_logits_for_metrics, None
+        self.pipeline_loss.preprocess = preprocess
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.preprocess_logits_for_metrics = preprocess
+            self.pipeline_loss.preprocess = None
 
-    # ---- evaluation ---------------------------------------------------------------------------
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
-        """Token-mean next-token loss over the whole eval set, run through the schedule's forward passes."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("PipelineTrainer.evaluate() needs eval_dataset (here or in the constructor)")
-        if isinstance(dataset, dict):
-            raise ValueError("PipelineTrainer.evaluate() takes one eval dataset, not a dict of them")
-        engine = self._ensure_engine()
-        batches = self._batches(dataset, self.args.per_device_eval_batch_size)
-        start, total, tokens = time.time(), 0.0, 0
-        steps = batches.eval_steps()
-        for indices in steps:
-            data, count, _ = batches.step(indices, self._dp_rank())
-            loss = engine.eval_batch(iter(data)).item()
-            total += loss * count
-            tokens += count
-        metrics = {f"{metric_key_prefix}_loss": total / tokens if tokens else float("nan")}
-        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=len(dataset), num_steps=len(steps)))
-        self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
+        if has_labels and self.label_names != ["labels"]:
+            raise ValueError(f"a pipelined Trainer scores the 'labels' column; label_names={self.label_names}")
+        loss, predictions = predict_batch(self, inputs, has_labels, not prediction_loss_only)
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, predictions, (inputs["labels"].detach() if has_labels else None)
 
-    def predict(self, *args, **kwargs):
-        raise NotImplementedError("PipelineTrainer has no predict(); save_model() and load the HF checkpoint instead")
-
-    # ---- saving -------------------------------------------------------------------------------
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+    # ---- saving and resuming -------------------------------------------------------------------
+    def save_model(self, output_dir=None, _internal_call: bool = False) -> None:
         """An HF checkpoint (config.json + safetensors) of the trained weights. Collective once trained."""
+        if self.engine is None:
+            return super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
-        if self.engine is not None:
-            export_pretrained(self.engine, self.model, output_dir)
-        elif self.is_world_process_zero():
-            self.model.save_pretrained(output_dir)
-        if self.is_world_process_zero():
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
-            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        states = gather_layer_states(self.engine, dst=None if self.args.save_on_each_node else 0)
+        state_dict = hf_state_dict(self.layout, states) if states is not None else None
+        self._save(output_dir, state_dict=state_dict)        # HF's: weights, tokenizer, training_args.bin
+        dist.barrier()
+
+    def _get_output_dir(self, trial):
+        return self._staging if self._staging is not None else super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """checkpoint-N/: the HF checkpoint, the pipeline's own (optimizer included) under pipeline/, the state."""
-        folder = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
-        self.save_model(folder, _internal_call=True)
-        self.engine.save_checkpoint(os.path.join(folder, "pipeline"))
-        if self.is_world_process_zero():
-            self.state.save_to_json(os.path.join(folder, "trainer_state.json"))
-            rotate_checkpoints(output_dir=self.args.output_dir, save_total_limit=self.args.save_total_limit,
-                               use_mtime=True)
+        """HF's checkpoint, staged and renamed whole (see :mod:`.checkpoint`)."""
+        run_dir = super()._get_output_dir(trial)
+        name, writer = f"checkpoint-{self.state.global_step}", self.args.should_save
+        self._staging = begin(run_dir, name, writer)
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            staging, self._staging = self._staging, None
+        final = commit(staging, run_dir, name, writer)
+        best = self.state.best_model_checkpoint
+        if best is not None and best.startswith(staging):
+            self.state.best_model_checkpoint = final + best[len(staging) + len(name) + 1:]
+            if writer:
+                self.state.save_to_json(os.path.join(final, "trainer_state.json"))
+        if writer:
+            from transformers.trainer_utils import rotate_checkpoints
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        dist.barrier()
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        save_pipeline_state(self, output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        if checkpoint is not None:
+            load_pipeline_state(self, checkpoint)
