@@ -37,6 +37,7 @@ from ..runtime.p2p import LOSS_TAG, P2P, post_or_fail, wait_or_fail
 from ..runtime.plan import DEFAULT_TIMEOUT_S, proven_programs
 from ..runtime.tensors import to_device
 from ..schedules import registry
+from ..schedules.actions import split_chunks
 from ..validation import check_seconds
 from .stages import make_schedule, pipeline_group
 
@@ -118,7 +119,7 @@ class MegatronHost:
         local = placement.chunks_on(runner.rank)
         self.chunk_modules = dict(zip(local, chunks))
         self.feeds = dict(zip(local, feeds))
-        self.split_chunks = {a.chunk for a in schedule.orders[runner.rank] if a.kind == "I"} if train else set()
+        self.split_chunks = split_chunks(schedule.orders[runner.rank]) if train else set()
         self.transport = runner.p2p
         self.groups = runner.groups
         self.config, self.forward_step_func = config, forward_step_func
@@ -331,7 +332,7 @@ def _settle_blocks(chunk, capture: list, nodes: list, output) -> None:
 
 def _check_split_backward(schedule, config, rank: int) -> None:
     """Configurations whose backward cannot be split into input- and weight-gradient passes."""
-    if not any(a.kind == "I" for a in schedule.orders[rank]):
+    if not split_chunks(schedule.orders[rank]):
         return
     for flag in ("gradient_accumulation_fusion", "fuse_wgrad_accumulation"):
         if getattr(config, flag, False):

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch.func import functional_call
 
+from ..schedules.actions import Kind
+
 POLICIES = ("live", "stash", "predict")
 
 
@@ -76,7 +78,7 @@ class WeightVersions:
             return self.module(*args)
         self.inflight[mb] = self.version
         if record:
-            self.log.append(("F", mb, self.version, steps_ahead))
+            self.log.append((Kind.FORWARD, mb, self.version, steps_ahead))
         if self.policy == "live":
             return self.module(*args)
         if self.policy == "stash":
@@ -102,7 +104,7 @@ class WeightVersions:
     def backward_done(self, mb, record: bool = False) -> None:
         """The backward of ``mb`` has run: its stashed version (if any) is released."""
         if record:
-            self.log.append(("B", mb, self.version, 0))
+            self.log.append((Kind.BACKWARD, mb, self.version, 0))
         self.inflight.pop(mb, None)
 
     def step_done(self) -> None:

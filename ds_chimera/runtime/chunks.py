@@ -47,7 +47,7 @@ def partition(module: PipelineModule, num_stages: int, method: str) -> list:
     raise ValueError(f"partition method must be uniform, parameters or type:REGEX; got {method!r}")
 
 
-class Chunk(nn.Module):
+class ChunkModule(nn.Module):
     """The layers of one (replica, stage): runs them in order, with optional checkpointing."""
 
     def __init__(self, index: int, stage: int, start: int, layers: list, funcs: list,
@@ -140,7 +140,7 @@ def build_chunks(module: PipelineModule, placement, rank: int, parts: list, devi
                 else:
                     layers.append(spec)
                     funcs.append(spec)
-        chunks.append(Chunk(index, stage, start, layers, funcs, checkpoint_interval, checkpoint_func))
+        chunks.append(ChunkModule(index, stage, start, layers, funcs, checkpoint_interval, checkpoint_func))
     chunk_list = nn.ModuleList(chunks).to(device)
     tied_modules = nn.ModuleDict(tied).to(device)
     return chunk_list, tied_modules
@@ -153,6 +153,6 @@ def _bound_module(func):
     return func
 
 
-def layer_objects(chunk: Chunk) -> dict:
+def layer_objects(chunk: ChunkModule) -> dict:
     """Global layer index -> the built layer object (module, tied module or function)."""
     return {chunk.start + i: _bound_module(func) for i, func in enumerate(chunk.funcs)}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..schedules.actions import ClipScope
+from ..schedules.actions import split_chunks
 from .clipping import clip_by_norm
 from .gradsync import FlatGradAllReduce
 from .groups import PipelineGroups
@@ -41,7 +41,7 @@ class PipelineHost:
         self.chunk_modules = {chunk.index: chunk for chunk in engine.module.ds_chimera_chunks}
         self.tied_modules = engine.module.ds_chimera_tied
         self.stage_chunk = {chunk.stage: c for c, chunk in self.chunk_modules.items()}
-        self.split_chunks = {a.chunk for a in plan.schedule.orders[self.pipe_rank] if a.kind == "I"}
+        self.split_chunks = split_chunks(plan.schedule.orders[self.pipe_rank])
         specs = engine.module._layer_specs
         holders: dict = {}
         for chunk in self.placement.chunks:
@@ -75,7 +75,7 @@ class PipelineHost:
         """A new call: its micro-batches ({mb: (inputs, labels)}) and, when training, fresh sync state."""
         self.batches = batches
         if train:
-            self.pending, self._tied_posted = [], False
+            self.pending, self._tied_posted, self.grad_norm = [], False, None
             if self.zero1:
                 self._zero1_start()
 
@@ -165,6 +165,10 @@ class PipelineHost:
 
     def optimizer_step(self, chunks: tuple) -> None:
         self.engine._take_model_step(None)
+        if self.grad_norm is not None and not self.zero1:
+            # DeepSpeed's step reads its optimizer's own norm (BF16_Optimizer's covers this rank's
+            # part only); the step's norm is the one the program's CLIP computed
+            self.engine._global_grad_norm = self.grad_norm
 
     # ---- ZeRO-1: each chunk's gradients go to their optimizer partitions when the chunk is done ----
     def _zero1_start(self) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ..optim.predictors import predictor_for
 from ..optim.versions import WeightVersions
-from ..schedules.actions import ClipGrads, ClipScope, CommBatch
+from ..schedules.actions import ClipGrads, ClipScope, CommBatch, split_chunks
 from ..schedules.base import Schedule
 from .clipping import clip_by_norm
 from .executor import StepExecutor
@@ -54,7 +54,7 @@ class LocalHost:
     def __init__(self, pipeline: "LocalPipeline", rank: int, transport: LocalTransport):
         self.pipeline, self.pipe_rank, self.transport = pipeline, rank, transport
         self.placement = pipeline.schedule.placement
-        self.split_chunks = {a.chunk for a in pipeline.schedule.orders[rank] if a.kind == "I"}
+        self.split_chunks = split_chunks(pipeline.schedule.orders[rank])
 
     def load_input(self, chunk: int, mb: int):
         return self.pipeline.batches[mb][0]

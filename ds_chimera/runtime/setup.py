@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..logs import get_logger
+from ..schedules.actions import split_chunks
 from .plan import check_precision_and_zero, make_plan
 
 log = get_logger()
@@ -129,7 +130,7 @@ def _checkpoint_function(module, plan):
 
     import torch.utils.checkpoint
     from deepspeed.runtime.activation_checkpointing import checkpointing
-    split = any(a.kind in ("I", "W") for order in plan.schedule.orders for a in order)
+    split = any(split_chunks(order) for order in plan.schedule.orders)
     user = module.activation_checkpoint_func
     if split or user in (checkpointing.checkpoint, checkpointing.non_reentrant_checkpoint):
         return functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)

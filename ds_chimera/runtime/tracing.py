@@ -34,11 +34,12 @@ class HostClock:
 
 
 class DeviceClock:
-    """Marks are device events recorded on the current stream; seconds are read after the step."""
+    """Marks are device events recorded on the current stream; seconds are read after the step.
 
-    def __init__(self, device):
-        self.device = torch.device(device)
-        self.module = getattr(torch, self.device.type)
+    ``module`` is the device's torch module (``torch.cuda``, ``torch.xpu``...)."""
+
+    def __init__(self, module):
+        self.module = module
         self.t0 = self.mark()
 
     def mark(self):
@@ -53,11 +54,11 @@ class DeviceClock:
 
 def clock_for(device):
     """Device events where the device has them (cuda, xpu...), else the host clock."""
-    device = torch.device(device)
-    module = getattr(torch, device.type, None)
-    if device.type != "cpu" and module is not None and hasattr(module, "Event") and \
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    module = getattr(torch, kind, None)
+    if kind != "cpu" and module is not None and hasattr(module, "Event") and \
             getattr(module, "is_available", lambda: False)():
-        return DeviceClock(device)
+        return DeviceClock(module)
     return HostClock()
 
 

@@ -61,6 +61,11 @@ BACKWARD_KINDS = (BACKWARD, INPUT_GRAD)   # the kinds that produce an input grad
 GRADIENT_KINDS = (BACKWARD, WEIGHT_GRAD)  # the kinds after which a chunk's weight gradients exist
 
 
+def split_chunks(order) -> set:
+    """The chunks whose backward an order splits into I and W (their forwards record blocks for W)."""
+    return {a.chunk for a in order if a.kind == INPUT_GRAD}
+
+
 def _ints(values) -> str:
     return ",".join(str(int(v)) for v in values)
 

@@ -7,11 +7,17 @@ import traceback
 import torch.distributed as tdist
 
 
-def run_scenarios(scenarios: dict, out_path: str, names: list) -> None:
-    """Run ``names`` in order on every rank; rank 0 writes {name: result} to ``out_path`` atomically.
+def rank_path(out_path: str, rank: int) -> str:
+    return f"{out_path}.rank{rank}"
 
-    A scenario that raises stops the group: its traceback goes to stderr (and the caller's
-    launcher reports the failure), never into a result that looks like a pass.
+
+def run_scenarios(scenarios: dict, out_path: str, names: list) -> None:
+    """Run ``names`` in order on every rank; every rank writes its own {name: result} to
+    ``rank_path(out_path, rank)`` and rank 0 also to ``out_path``, atomically.
+
+    The parent checks every rank's results, not rank 0's view only. A scenario that raises
+    stops the group: its traceback goes to stderr (and the caller's launcher reports the
+    failure), never into a result that looks like a pass.
     """
     results = {}
     for name in names:
@@ -20,8 +26,9 @@ def run_scenarios(scenarios: dict, out_path: str, names: list) -> None:
         except Exception:
             print(traceback.format_exc(), file=sys.stderr, flush=True)
             raise
-    if tdist.get_rank() == 0:
-        with open(out_path + ".tmp", "w") as fh:
+    rank = tdist.get_rank()
+    for path in [rank_path(out_path, rank)] + ([out_path] if rank == 0 else []):
+        with open(path + ".tmp", "w") as fh:
             json.dump(results, fh, indent=1)
-        os.replace(out_path + ".tmp", out_path)
+        os.replace(path + ".tmp", path)
     tdist.barrier()

@@ -20,15 +20,23 @@ from deepspeed.pipe import PipelineModule
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from scenarios import run_scenarios  # noqa: E402
-from models import BASE_SEED, CountingTanh, build_reference, make_global_batches, mlp_specs, run_reference  # noqa: E402
+from models import (BASE_SEED, CountingTanh, build_reference, make_global_batches, mlp_specs,  # noqa: E402
+                    reference_params, run_reference)
 
 LR, MICRO = 0.05, 2
+# Far above every gradient norm of these runs: the program's CLIP computes the global norm
+# (compared with the reference's) but never scales, so a wrong gradient scale (a missing
+# 1/N, a data-parallel sum where a mean belongs) moves the weights. A clipped step would
+# hide it: clipping rescales whatever the norm was.
+NO_CLIP = 1e6
 
 
 def config(schedule, n, dp, clip=0.5, **options):
     cfg = {"train_batch_size": n * MICRO * dp, "train_micro_batch_size_per_gpu": MICRO,
            "gradient_clipping": clip, "steps_per_print": 1000}
-    if schedule is not None:
+    if schedule == "program":          # a program file instead of a schedule name
+        cfg["pipeline"] = {"timeout": 60, **options}
+    elif schedule is not None:
         cfg["pipeline"] = {"schedule": schedule, "timeout": 60, **options}
     return cfg
 
@@ -60,14 +68,37 @@ def _comm_device():
     return "cuda" if tdist.get_backend() == "nccl" else "cpu"
 
 
-def max_param_diff(engine, ref_layers):
-    worst = 0.0
+def max_param_diff(engine, ref_layers, counted=None):
+    """Largest difference from the reference over every rank's layers (all-reduced MAX).
+
+    Counts what it compares: each layer's parameter lists must have the same length, and
+    ``counted`` (a dict) receives the number of tensors compared over all ranks, so that an
+    empty comparison cannot pass as a zero difference.
+    """
+    worst, tensors, layers = 0.0, 0, set()
     for idx, obj in local_layers(engine).items():
         if isinstance(obj, torch.nn.Module):
-            for p, q in zip(obj.parameters(), ref_layers[idx].parameters()):
+            mine, ref = list(obj.parameters()), list(ref_layers[idx].parameters())
+            if len(mine) != len(ref):
+                raise AssertionError(f"layer {idx}: {len(mine)} parameters against the reference's {len(ref)}")
+            for p, q in zip(mine, ref):
                 worst = max(worst, (p.detach().float().cpu() - q.detach().float()).abs().max().item())
+                tensors += 1
+            if mine:
+                layers.add(idx)
     t = torch.tensor([worst], device=_comm_device())
     tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    n = torch.tensor([tensors], device=_comm_device())
+    tdist.all_reduce(n)
+    covered = [None] * tdist.get_world_size()
+    tdist.all_gather_object(covered, sorted(layers))
+    covered = set().union(*map(set, covered))
+    wanted = {i for i, layer in enumerate(ref_layers) if list(layer.parameters())}
+    if n.item() == 0 or covered != wanted:
+        raise AssertionError(f"max_param_diff compared {int(n.item())} tensors covering layers {sorted(covered)}; "
+                             f"the reference has parameters in layers {sorted(wanted)}")
+    if counted is not None:
+        counted["tensors"] = int(n.item())
     return t.item()
 
 
@@ -102,14 +133,20 @@ def train_and_compare(schedule, stages, dp, n, steps=3, tied=False, clip=0.5, ac
     global_batches = make_global_batches(n * dp)
     cast = (lambda b: [(x.bfloat16(), y.bfloat16()) for x, y in b]) if bf16 else (lambda b: b)
     CountingTanh.calls = 0
-    losses = [engine.train_batch(iter(cast(my_batches(engine, global_batches, s, n)))).item()
-              for s in range(steps)]
+    losses, norms = [], []
+    for s in range(steps):
+        losses.append(engine.train_batch(iter(cast(my_batches(engine, global_batches, s, n)))).item())
+        norm = engine.get_global_grad_norm()
+        norms.append(None if norm is None else float(norm))
     calls = torch.tensor([CountingTanh.calls], device=_comm_device())
     tdist.all_reduce(calls)
     ref_layers = build_reference(specs)
     ref_losses, ref_norms = run_reference(ref_layers, global_batches, steps, LR, clip)
-    result = {"max_param_diff": max_param_diff(engine, ref_layers), "losses": losses, "ref_losses": ref_losses,
-              "ref_norms": ref_norms, "clip": clip,
+    counted = {}
+    result = {"max_param_diff": max_param_diff(engine, ref_layers, counted), "losses": losses,
+              "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms, "clip": clip,
+              "compared_tensors": counted["tensors"],
+              "reference_tensors": sum(1 for layer in ref_layers for _ in layer.parameters()),
               "tanh_forwards_per_micro_batch": calls.item() / (steps * n * dp * sum(
                   1 for spec in specs if getattr(spec, "typename", None) is CountingTanh))}
     result["max_loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
@@ -277,9 +314,12 @@ def lm_training(schedule, steps=25, **options):
     return {"losses": [engine.train_batch(data).item() for _ in range(steps)]}
 
 
-def config_file_training(path, steps=8):
-    """A shipped configs/*.json, unchanged but for test timeouts: its schedule trains the DynamicConv LM."""
+def config_file_training(path, steps=6):
+    """A shipped configs/*.json, unchanged but for test timeouts: its schedule trains the DynamicConv LM,
+    against the same model, optimizer (read back from the engine) and data in one process: plain
+    training for a synchronous schedule, LocalPipeline for an asynchronous one."""
     from ds_chimera.nn import counting_batches, lm_layer_specs, lm_loss
+    from ds_chimera.runtime.local import LocalPipeline
     with open(path) as fh:
         cfg = json.load(fh)
     cfg["steps_per_print"] = 1000
@@ -289,10 +329,49 @@ def config_file_training(path, steps=8):
     net = PipelineModule(layers=specs, num_stages=4, loss_fn=lm_loss, partition_method="uniform",
                          seed_layers=True, base_seed=BASE_SEED)
     engine, _, _, _ = deepspeed.initialize(model=net, config=cfg, model_parameters=net.parameters())
-    data = counting_batches(cfg["train_micro_batch_size_per_gpu"], seq_len=16, vocab_size=32, seed=7)
+    micro = engine.train_micro_batch_size_per_gpu()
+    data = counting_batches(micro, seq_len=16, vocab_size=32, seed=7)
     losses = [engine.train_batch(data).item() for _ in range(steps)]
+    # the reference: the optimizer's hyperparameters as the engine built them
+    group = {k: v for k, v in engine.optimizer.param_groups[0].items() if k != "params"}
+    make_opt = lambda params: type(engine.optimizer)(params, **{k: group[k] for k in  # noqa: E731
+                                                                ("lr", "betas", "eps", "weight_decay", "amsgrad")})
+    layers = build_reference(specs)
+    ref_data = counting_batches(micro, seq_len=16, vocab_size=32, seed=7)
+    n, clip = engine.micro_batches, float(cfg.get("gradient_clipping", 0.0))
+    ref_losses = []
+    if engine.schedule.synchronous:
+        params = reference_params(layers)
+        opt = make_opt(params)
+        for _ in range(steps):
+            opt.zero_grad()
+            total = 0.0
+            for _ in range(n):
+                x, y = next(ref_data)
+                loss = lm_loss(_forward_grad(layers, x), y) / n
+                loss.backward()
+                total += loss.item()
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, clip)
+            opt.step()
+            ref_losses.append(total)
+    else:
+        from ds_chimera.schedules import registry
+        parts = engine.plan.parts
+        stages = [torch.nn.Sequential(*layers[parts[k]:parts[k + 1]]) for k in range(4)]
+        options = dict(engine.schedule.config)
+        local = LocalPipeline(registry.build(engine.schedule.name, 4, n, **options), stages,
+                              [make_opt(m.parameters()) for m in stages], lm_loss, clip=clip)
+        ref_losses = [local.train_batch([next(ref_data) for _ in range(n)]) for _ in range(steps)]
     return {"schedule": engine.schedule.name, "options": dict(engine.schedule.config), "losses": losses,
-            "micro_batches": engine.micro_batches, "optimizer": type(engine.optimizer).__name__}
+            "ref_losses": ref_losses, "micro_batches": engine.micro_batches,
+            "optimizer": type(engine.optimizer).__name__}
+
+
+def _forward_grad(layers, x):
+    for layer in layers:
+        x = layer(x)
+    return x
 
 
 def traced_step(schedule, n=8):
@@ -417,12 +496,46 @@ SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved": {"chunks": 2}, "breadth-fir
              "chimera": {}, "chimera-fd": {"order": "forward-doubling"}, "chimera-merged": {"order": "merged"},
              "chimera-concat": {"order": "concat"}, "chimera-zb": {"order": "zero-bubble"},
              "zb-h1": {}, "zbv": {}, "dualpipev": {}}
+# Every schedule unclipped (gradient scale and the global norm checked), on both grids.
 for key, opts in SCHEDULES.items():
     name = key.split("-")[0] if key.startswith("chimera") else key
-    SCENARIOS[f"equiv-4x1-{key}"] = (lambda name=name, opts=opts: train_and_compare(name, 4, 1, 8, **opts))
-    SCENARIOS[f"equiv-2x2-{key}"] = (lambda name=name, opts=opts: train_and_compare(name, 2, 2, 4, **opts))
+    SCENARIOS[f"equiv-4x1-{key}"] = (lambda name=name, opts=opts: train_and_compare(name, 4, 1, 8, clip=NO_CLIP,
+                                                                                     **opts))
+    SCENARIOS[f"equiv-2x2-{key}"] = (lambda name=name, opts=opts: train_and_compare(name, 2, 2, 4, clip=NO_CLIP,
+                                                                                     **opts))
 # four pipelines on four ranks (stages/2 = 1 on the 2 x 2 grid, so 4 x 1 only)
-SCENARIOS["equiv-4x1-chimera-zb-f2"] = lambda: train_and_compare("chimera", 4, 1, 8, order="zero-bubble", pipelines=2)
+SCENARIOS["equiv-4x1-chimera-zb-f2"] = lambda: train_and_compare("chimera", 4, 1, 8, clip=NO_CLIP, order="zero-bubble",
+                                                                 pipelines=2)
+# ... and clipped on the true global norm (replicas and data-parallel copies counted once)
+SCENARIOS["clipped-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8)
+SCENARIOS["clipped-2x2-chimera"] = lambda: train_and_compare("chimera", 2, 2, 4)
+SCENARIOS["clipped-4x1-interleaved"] = lambda: train_and_compare("interleaved", 4, 1, 8, chunks=2)
+# the variants, unclipped too
+SCENARIOS["unclipped-tied-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8, tied=True, clip=NO_CLIP)
+SCENARIOS["unclipped-zero1-2x2-breadth-first"] = lambda: train_and_compare("breadth-first", 2, 2, 4, zero=1, chunks=2,
+                                                                           clip=NO_CLIP)
+SCENARIOS["unclipped-actckpt-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8, aci=1, clip=NO_CLIP)
+
+
+def program_file_training():
+    """"pipeline": {"program": FILE}: a program written to a file (as another solver would) trains exactly."""
+    from ds_chimera.schedules import build
+    holder = [tempfile.mkdtemp(prefix="dsc_program_") if tdist.get_rank() == 0 else None]
+    tdist.broadcast_object_list(holder, src=0)
+    path = os.path.join(holder[0], "chimera-zb.program")
+    if tdist.get_rank() == 0:
+        build("chimera", 4, 8, order="zero-bubble").lower().dump(path)
+    tdist.barrier()
+    try:
+        result = train_and_compare("program", 4, 1, 8, clip=NO_CLIP, program=path)
+    finally:
+        tdist.barrier()
+        if tdist.get_rank() == 0:
+            shutil.rmtree(holder[0], ignore_errors=True)
+    return result
+
+
+SCENARIOS["program-4x1-chimera-zb"] = program_file_training
 SCENARIOS["tied-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8, tied=True)
 SCENARIOS["tied-4x1-1f1b"] = lambda: train_and_compare("1f1b", 4, 1, 8, tied=True)
 SCENARIOS["tied-2x2-zbv"] = lambda: train_and_compare("zbv", 2, 2, 4, tied=True)

@@ -1,0 +1,293 @@
+"""Programs as data: the whole step in the program, printed and read back, proven, run locally.
+
+The lowered program ends with the gradient syncs' wait, the clip and the optimizer step
+(asynchronous ones have them before each stage's step); its text form round-trips for
+every built-in schedule; the simulator refuses programs that skip those ops; the local
+reference runs every single-route program on the shared executor, equal to one-process
+training; and the package's imports only flow downwards.
+"""
+import ast
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from ds_chimera.schedules import build, registry
+from ds_chimera.schedules.actions import (ACT, Action, ClipGrads, ClipScope, CommBatch, GradSync, Kind, Message,
+                                          OptimizerStep, SyncWait, parse_op)
+from ds_chimera.schedules.costs import Costs
+from ds_chimera.schedules.lowering import Program
+from ds_chimera.schedules.timing import compute_timing
+from ds_chimera.sim.simulator import simulate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CASES = [("gpipe", 4, 6, {}), ("1f1b", 4, 8, {}), ("interleaved", 2, 4, {"chunks": 2}),
+         ("breadth-first", 2, 4, {"chunks": 3}), ("chimera", 4, 8, {}), ("chimera", 8, 8, {"pipelines": 2}),
+         ("chimera", 4, 4, {"order": "zero-bubble"}), ("zb-h1", 4, 8, {}), ("zbv", 4, 8, {}),
+         ("dualpipev", 4, 8, {}), ("pipedream", 4, 8, {}), ("pipedream-2bw", 4, 8, {}), ("pipeoptim", 4, 8, {}),
+         ("spectrain", 4, 8, {})]
+
+
+def test_every_op_prints_and_parses_back():
+    ops = [Action(Kind.FORWARD, 12, 3), Action(Kind.WEIGHT_GRAD, 0, 10), Action(Kind.STEP, 2, 7),
+           CommBatch((Message(ACT, 0, 1, 3), Message("grad", 5, 4, 0)), ()), CommBatch((), (Message(ACT, 1, 2, 9),)),
+           GradSync(2, (1, 2)), SyncWait((0, 3)), ClipGrads(ClipScope.GLOBAL), ClipGrads(ClipScope.STAGE, 2),
+           OptimizerStep((0, 7))]
+    texts = [str(op) for op in ops]
+    assert texts[0] == "12F3" and texts[5] == "SYNC_START stage=2 ranks=1,2" and texts[8] == "CLIP scope=stage stage=2"
+    assert [parse_op(t) for t in texts] == ops
+    assert Action.parse(" 2I0 ") == (Kind.INPUT_GRAD, 2, 0) and Kind.INPUT_GRAD == "I"
+
+
+@pytest.mark.parametrize("text,message", [("2X0", "not a compute action: '2X0'"), ("F2", "not a compute action"),
+                                          ("SYNC_WAIT", "lacks the field 'stages'"),
+                                          ("COMM send=act:0-1:3 recv=", "not a message: 'act:0-1:3'"),
+                                          ("CLIP scope=sometimes", "'sometimes' is not a valid ClipScope"),
+                                          ("STEP chunks", "expected key=value, got 'chunks'")])
+def test_malformed_ops_are_named(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_op(text)
+
+
+@pytest.mark.parametrize("name,d,n,options", CASES)
+def test_the_program_is_the_whole_step_and_round_trips(name, d, n, options):
+    schedule = build(name, d, n, **options)
+    program = schedule.lower()
+    for rank, ops in enumerate(program.ops):
+        chunks = tuple(schedule.placement.chunks_on(rank))
+        if schedule.synchronous:      # one flush: wait for the syncs, clip on the global norm, step every chunk
+            assert ops[-3:] == [SyncWait(tuple(sorted({schedule.placement.chunks[c].stage for c in chunks}))),
+                                ClipGrads(ClipScope.GLOBAL), OptimizerStep(chunks)]
+        else:                         # each stage steps alone: its sync, its wait, its own clip, then S
+            steps = [i for i, op in enumerate(ops) if type(op) is Action and op.kind == Kind.STEP]
+            assert steps
+            for i in steps:
+                stage = schedule.placement.chunks[ops[i].chunk].stage
+                assert [type(op) for op in ops[i - 3:i]] == [GradSync, SyncWait, ClipGrads]
+                assert ops[i - 1] == ClipGrads(ClipScope.STAGE, stage) and ops[i - 2] == SyncWait((stage,))
+    loaded = Program.load(program.dump())
+    assert loaded.ops == program.ops and loaded.name == program.name and loaded.synchronous == program.synchronous
+    assert loaded.placement.stage_ranks == program.placement.stage_ranks
+    assert loaded.placement.mb_replica == program.placement.mb_replica and loaded.weights == program.weights
+    costs = Costs(fwd=1.0, bwd=2.0, wgrad=1.0, comm=0.1, allreduce=0.5)
+    assert simulate(loaded, costs).summary() == simulate(program, costs).summary()
+
+
+def test_program_files_name_the_bad_line(tmp_path):
+    text = build("1f1b", 2, 2).lower().dump()
+    path = tmp_path / "p.program"
+    path.write_text(text.replace("rank 1\n", "rank 1\n0Q1\n"))
+    with pytest.raises(ValueError, match=r"p.program:\d+: not a compute action: '0Q1'"):
+        Program.load(str(path))
+    with pytest.raises(ValueError, match="missing ds_chimera-program, name"):
+        Program.load("ranks 2\nstages 2\n")
+    with pytest.raises(ValueError, match="expected 'rank 1', got 'rank 2'"):
+        Program.load(text.replace("rank 1\n", "rank 2\n"))
+
+
+def _without(program, kinds):
+    ops = [[op for op in rank_ops if type(op) not in kinds] for rank_ops in program.ops]
+    return Program(program.name, program.placement, ops, program.synchronous, program.weights)
+
+
+def test_the_simulator_refuses_a_step_without_its_tail():
+    program = build("chimera", 4, 4).lower()
+    assert simulate(program).valid
+    no_step = simulate(_without(program, {OptimizerStep}))
+    assert any("never steps the optimizer on chunks" in e for e in no_step.errors)
+    no_wait = simulate(_without(program, {SyncWait}))
+    assert any("steps the optimizer while the gradient syncs of stages" in e for e in no_wait.errors)
+    # one rank without the global clip: the others wait for it forever
+    ops = [list(o) for o in program.ops]
+    ops[2] = [op for op in ops[2] if type(op) is not ClipGrads]
+    stuck = simulate(Program(program.name, program.placement, ops, True, program.weights))
+    assert not stuck.valid and any("waits for every rank to reach its global clip" in why
+                                   for why in stuck.deadlock.values())
+    asynchronous = build("pipeoptim", 4, 8).lower()
+    no_wait = simulate(_without(asynchronous, {SyncWait}))
+    assert any("still pending (no SYNC_WAIT before it)" in e for e in no_wait.errors)
+
+
+@pytest.mark.parametrize("d,n,f,order", [(4, 4, 1, "concat"), (4, 12, 1, "merged"), (8, 16, 2, "forward-doubling"),
+                                         (4, 8, 2, "concat")])
+def test_timing_without_the_simulator_models_the_syncs_as_it_does(d, n, f, order):
+    """Chimera's ``auto`` order is chosen on this timing (the schedules may not import the simulator)."""
+    schedule = build("chimera", d, n, pipelines=f, order=order)
+    for costs in (Costs(allreduce=0.5), Costs(fwd=1, bwd=2, wgrad=1, allreduce=1.3, sync_post=0.2, comm=0.1)):
+        timed = compute_timing(schedule.placement, schedule.orders, costs, syncs=True)[0]
+        assert timed == pytest.approx(simulate(schedule.lower(), costs).makespan, abs=1e-12)
+    # the syncs matter: without them the last all-reduce is missing from the makespan
+    costs = Costs(allreduce=5.0)
+    assert compute_timing(schedule.placement, schedule.orders, costs)[0] < \
+        compute_timing(schedule.placement, schedule.orders, costs, syncs=True)[0]
+
+
+def test_cli_simulates_a_program_file_like_its_schedule(tmp_path):
+    path = tmp_path / "zbv.program"
+    run = [sys.executable, "-m", "ds_chimera.cli", "simulate"]
+    direct = subprocess.run(run + ["--schedule", "zbv", "--stages", "4", "--micro-batches", "8", "--json",
+                                   "--dump-program", str(path)], capture_output=True, text=True)
+    assert direct.returncode == 0, direct.stderr
+    loaded = subprocess.run(run + ["--program", str(path), "--json"], capture_output=True, text=True)
+    assert loaded.returncode == 0, loaded.stderr
+    import json
+    a, b = json.loads(direct.stdout.splitlines()[-1]), json.loads(loaded.stdout.splitlines()[-1])
+    assert a["makespan"] == b["makespan"] and a["valid"] and b["valid"] and a["busy"] == b["busy"]
+    both = subprocess.run(run + ["--program", str(path), "--stages", "4"], capture_output=True, text=True)
+    assert both.returncode == 2 and "--program takes its ranks, stages and micro-batches from the file" in both.stderr
+    neither = subprocess.run(run + ["--stages", "4"], capture_output=True, text=True)
+    assert neither.returncode == 2 and "missing --schedule, --micro-batches" in neither.stderr
+
+
+def test_a_loaded_program_must_fit_the_run(tmp_path):
+    from ds_chimera.schedules.from_program import ProgramSchedule
+    path = tmp_path / "c.program"
+    build("chimera", 4, 8).lower().dump(str(path))
+    assert ProgramSchedule.from_file(str(path), 4, 8).lower().ops == Program.load(str(path)).ops
+    with pytest.raises(ValueError, match="a program for 4 pipeline ranks; this run has 2"):
+        ProgramSchedule.from_file(str(path), 2, 8)
+    with pytest.raises(ValueError, match="runs 8 micro-batches per step; the config's batch sizes give 4"):
+        ProgramSchedule.from_file(str(path), 4, 4)
+    build("pipeoptim", 4, 8).lower().dump(str(path))
+    with pytest.raises(ValueError, match="is asynchronous; the engines run loaded programs only when"):
+        ProgramSchedule.from_file(str(path), 4, 8)
+
+
+# ---- the local reference: every single-route program on the shared executor -------------------------
+@pytest.mark.parametrize("name,options", [("1f1b", {}), ("gpipe", {}), ("interleaved", {"chunks": 2}),
+                                          ("breadth-first", {"chunks": 2}), ("zb-h1", {}), ("zbv", {}),
+                                          ("dualpipev", {})])
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_local_pipeline_equals_one_process_training(name, options, clip):
+    """Unclipped and clipped (the global norm over every stage): a wrong gradient scale fails unclipped."""
+    from ds_chimera.runtime.local import LocalPipeline
+    torch.manual_seed(0)
+    schedule = registry.build(name, 2, 4, **options)
+    stages = [nn.Sequential(nn.Linear(5, 5), nn.Tanh()) for _ in range(schedule.placement.num_stages)]
+    reference = copy.deepcopy(nn.Sequential(*stages))
+    pipe = LocalPipeline(schedule, stages, [torch.optim.SGD(m.parameters(), lr=0.5) for m in stages],
+                         nn.functional.mse_loss, clip=clip)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(2):
+        batches = [(torch.randn(3, 5), torch.randn(3, 5)) for _ in range(4)]
+        loss = pipe.train_batch(batches)
+        ref_opt.zero_grad()
+        ref_loss = sum(nn.functional.mse_loss(reference(x), y) for x, y in batches) / 4
+        ref_loss.backward()
+        if clip:
+            norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            assert norm > 2 * clip            # the clip is active in this case
+        ref_opt.step()
+        assert loss == pytest.approx(ref_loss.item(), rel=1e-6)
+    compared = list(zip(nn.Sequential(*stages).parameters(), reference.parameters()))
+    assert len(compared) == 2 * schedule.placement.num_stages       # a weight and a bias per stage
+    assert max((p - q).abs().max().item() for p, q in compared) < 1e-6
+
+
+def test_the_executor_marks_each_op_for_the_profiler():
+    from ds_chimera.runtime.local import LocalPipeline
+    stages = [nn.Linear(3, 3), nn.Linear(3, 3)]
+    pipe = LocalPipeline(registry.build("1f1b", 2, 2), stages, [torch.optim.SGD(m.parameters(), lr=0.1)
+                                                               for m in stages], nn.functional.mse_loss)
+    batches = [(torch.randn(2, 3), torch.randn(2, 3)) for _ in range(2)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pipe.train_batch(batches)
+    names = {event.name for event in prof.events()}
+    assert {"ds_chimera.0F0", "ds_chimera.1B1", "ds_chimera.CLIP scope=global", "ds_chimera.STEP chunks=1"} <= names
+
+
+def test_traces_use_device_events_where_the_device_has_them(monkeypatch):
+    """An accelerator's actions are timed by events on its stream, resolved after the step."""
+    from ds_chimera.runtime import tracing
+
+    class FakeEvent:
+        clock = 0.0
+
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            FakeEvent.clock += 0.25           # each mark lands 250 ms of device time later
+            self.at = FakeEvent.clock
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):        # milliseconds, as torch's events report
+            return (other.at - self.at) * 1000.0
+
+    class FakeDevice:
+        Event = FakeEvent
+
+        @staticmethod
+        def is_available():
+            return True
+
+    monkeypatch.setattr(torch, "fakedev", FakeDevice, raising=False)
+    clock = tracing.clock_for("fakedev:0")
+    assert isinstance(clock, tracing.DeviceClock)
+    trace = tracing.StepTrace(3, clock=clock)
+    start = clock.mark()
+    trace.add(Kind.FORWARD, 0, 1, start, clock.mark())
+    assert trace.records() == [(3, Kind.FORWARD, 0, 1, pytest.approx(0.25), pytest.approx(0.5))]
+    monkeypatch.undo()
+    assert isinstance(tracing.clock_for("cpu"), tracing.HostClock)
+
+
+def test_logs_are_rank_prefixed_and_quiet_off_rank_zero():
+    code = "from ds_chimera.logs import get_logger; log = get_logger(); log.info('hello'); log.warning('careful')"
+    out = {rank: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                env=dict(os.environ, RANK=str(rank))).stderr for rank in (0, 2)}
+    assert "[ds_chimera rank 0] hello" in out[0] and "[ds_chimera rank 0] careful" in out[0]
+    assert "hello" not in out[2] and "[ds_chimera rank 2] careful" in out[2]
+    loud = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, RANK="2", DS_CHIMERA_LOG_LEVEL="info")).stderr
+    assert "[ds_chimera rank 2] hello" in loud
+
+
+# ---- layering: imports only flow downwards --------------------------------------------------------------
+LAYERS = {   # package -> ds_chimera packages it must not import
+    "schedules": {"sim", "runtime", "integrations", "megatron", "hf", "wavelet", "optim", "nn", "ops"},
+    "sim": {"runtime", "integrations", "megatron", "hf", "wavelet"},
+    "runtime": {"integrations", "megatron", "hf"},
+}
+LEAVES = ("validation.py", "atomic.py", "logs.py")
+
+
+def _imports(path):
+    tree = ast.parse(open(path).read())
+    package = os.path.relpath(os.path.dirname(path), os.path.join(ROOT, "ds_chimera")).split(os.sep)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - (node.level - 1)] if node.level > 1 else package
+                target = [p for p in base if p != "."] + (node.module.split(".") if node.module else [])
+                yield ".".join(target)
+            elif node.module and node.module.startswith("ds_chimera"):
+                yield node.module[len("ds_chimera."):]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("ds_chimera"):
+                    yield alias.name[len("ds_chimera."):]
+
+
+def test_imports_only_flow_downwards():
+    seen = 0
+    for package, forbidden in LAYERS.items():
+        folder = os.path.join(ROOT, "ds_chimera", package)
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py"):
+                for target in _imports(os.path.join(folder, name)):
+                    seen += 1
+                    assert target.split(".")[0] not in forbidden, f"{package}/{name} imports {target}"
+    for leaf in LEAVES:
+        assert not list(_imports(os.path.join(ROOT, "ds_chimera", leaf))), leaf
+    schedules = os.path.join(ROOT, "ds_chimera", "schedules")
+    for name in os.listdir(schedules):
+        if name.endswith(".py"):
+            assert "import torch" not in open(os.path.join(schedules, name)).read(), name
+    assert seen > 40
