@@ -128,7 +128,7 @@ def test_the_gradient_scale_is_tested_clipped_and_unclipped(runs):
 @pytest.mark.parametrize("case", TRAINED)
 def test_predict_returns_the_plain_trainers_predictions_on_every_rank(runs, case):
     ref = result(runs, "plain", case)
-    assert len(ref["predictions"]) == 12 and len(ref["predictions"][0]) > 1
+    assert len(ref["predictions"]) == 14 and len(ref["predictions"][0]) > 1
     for rank in range(RANKS):
         ours = result(runs, "pipe", case, rank)
         assert ours["predictions"] == ref["predictions"] and ours["label_ids"] == ref["label_ids"]

@@ -8,6 +8,7 @@ and saving stays with the TrainingArguments (``should_log``, ``should_save``).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 
@@ -58,10 +59,25 @@ class OneProcessView:
         return tensor
 
     def gather_for_metrics(self, input_data, use_gather_object=False):
-        return input_data
+        """accelerate's own, with nothing gathered: it still drops the padding of a short last batch
+        (as one process does), which weights that batch by its true size in eval_loss."""
+        with _no_object_gathering():
+            return type(self._accelerator).gather_for_metrics(self, input_data, use_gather_object=use_gather_object)
 
     def pad_across_processes(self, tensor, dim=0, pad_index=0, pad_first=False):
         return tensor
 
     def reduce(self, tensor, reduction="sum", scale=1.0):
         return tensor * scale if scale != 1.0 else tensor
+
+
+@contextlib.contextmanager
+def _no_object_gathering():
+    """accelerate's gather_object as in one process (it would all-gather across the real ranks)."""
+    import accelerate.accelerator as module
+    saved = module.gather_object
+    module.gather_object = lambda obj: obj
+    try:
+        yield
+    finally:
+        module.gather_object = saved
