@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
+from ..runtime import faults
 from ..runtime.executor import StepExecutor
 from ..runtime.gradsync import FlatGradAllReduce
 from ..runtime.groups import PipelineGroups
@@ -430,13 +431,20 @@ class ScheduleRunner:
         if train and config.grad_scale_func is not None:
             scale = config.grad_scale_func(torch.ones(1, device=device))
         step.grad_scale = scale
+        with faults.guard(f"forward_backward_func ({self.name}, {'train' if train else 'forward only'})",
+                          self.timeout_s):
+            return self._run(step, program if train else eval_program, train, scale, config, chunks, shared,
+                             placement, group, device, pg_collection, force_all_reduce)
+
+    def _run(self, step, program, train, scale, config, chunks, feeds, placement, group, device, pg_collection,
+             force_all_reduce):
+        """One call's work, after every check: the program, the loss exchange, Megatron's gradient finalisation."""
         no_sync = config.no_sync_func if train and config.no_sync_func is not None else contextlib.nullcontext
         with contextlib.ExitStack() as stack:
             for func in (no_sync if isinstance(no_sync, list) else [no_sync]):
                 stack.enter_context(func())
-            StepExecutor(step).run((program if train else eval_program).ops[self.rank], train=train, scale=scale,
-                                   device=device)
-        for feed in shared.values():
+            StepExecutor(step).run(program.ops[self.rank], train=train, scale=scale, device=device)
+        for feed in feeds.values():
             feed.finish()
         finish_losses = self._start_loss_exchange(step, placement, group, device)
         if train:

@@ -170,8 +170,9 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
         ``eval_batch`` and ``save_checkpoint`` drain first."""
         if not self.continuous or self.carry is None:
             return None
-        loss_sum = self._continuous_call("drain", trace=False)
-        return self._aggregate_loss(loss_sum, self.num_stages - 1).item() if self.num_stages > 1 else None
+        with self._guard("drain"):
+            loss_sum = self._continuous_call("drain", trace=False)
+            return self._aggregate_loss(loss_sum, self.num_stages - 1).item() if self.num_stages > 1 else None
 
     def eval_batch(self, *args, **kwargs):
         self.drain()

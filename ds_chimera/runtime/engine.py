@@ -19,6 +19,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..logs import get_logger
 from . import checkpoint as ckpt
+from . import faults
 from .executor import StepExecutor
 from .host import PipelineHost
 from .p2p import post_or_fail, wait_or_fail
@@ -52,6 +53,7 @@ class ScheduledPipelineEngine(PipelineEngine):
             self.optimizer.clip_grad = 0.0
         self.host = self.host_class(self)
         self.executor = StepExecutor(self.host)
+        self.faults = faults.monitor(plan.timeout_s)     # one rank's failure ends every rank, naming it
         self.step_records = []
         if self.global_rank == 0:
             log.info("schedule %r on %d ranks x %d data-parallel, %d micro-batches, %d chunk(s) per rank",
@@ -124,6 +126,10 @@ class ScheduledPipelineEngine(PipelineEngine):
             return (total / (micro_batches * self.dp_size)).squeeze(0)
         return mean
 
+    def _guard(self, what: str):
+        """Work whose failure must end every rank (see :mod:`.faults`)."""
+        return faults.guard(f"{what} (step {self.global_steps})")
+
     def train_batch(self, data_iter=None):
         if not torch._C.is_grad_enabled():
             raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
@@ -133,7 +139,8 @@ class ScheduledPipelineEngine(PipelineEngine):
         start = time.perf_counter()
         self.tput_timer.start()
         trace = self.plan.trace_dir is not None
-        self.agg_train_loss = self._train_call(trace)
+        with self._guard("train_batch"):
+            self.agg_train_loss = self._train_call(trace)
         self.tput_timer.stop(global_step=True)
         if trace:
             self._write_trace()
@@ -174,10 +181,10 @@ class ScheduledPipelineEngine(PipelineEngine):
         saved = self.data_iterator
         self.set_dataiterator(data_iter)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._guard("eval_batch"):
                 self.host.begin(self._load_batches(self.micro_batches), train=False)
                 loss_sum, _ = self.executor.run(self.plan.eval_program.ops[self.pipe_rank], train=False, scale=1.0)
-            return self._aggregate_loss(loss_sum, self.micro_batches)
+                return self._aggregate_loss(loss_sum, self.micro_batches)
         finally:
             self.data_iterator = saved
             self.module.train()
@@ -224,16 +231,23 @@ class ScheduledPipelineEngine(PipelineEngine):
         """DeepSpeed's load, refusing optimizer state saved under another layout (it would be misread)."""
         if tag is None:
             tag = ckpt.read_latest(load_dir)
+            if tag is None:      # as DeepSpeed: nothing to resume from is a warning and (None, None)
+                log.warning("no checkpoint to load in %s: it has no 'latest' file (a save that did not "
+                            "complete writes none); pass tag=... to load a given one", load_dir)
+                return None, None
         if load_optimizer_states and not load_module_only:
             ckpt.check_layout(self, load_dir, tag)
-        result = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
-                                         load_optimizer_states=load_optimizer_states,
-                                         load_lr_scheduler_states=load_lr_scheduler_states,
-                                         load_module_only=load_module_only, custom_load_fn=custom_load_fn, **kwargs)
-        if self.using_bf16_optimizer:
-            self.optimizer.clip_grad = 0.0     # a loaded state restores DeepSpeed's partial-norm clipping
-        if load_optimizer_states and not load_module_only and result[0] is not None and tag is not None:
-            self._load_extra_state(os.path.join(load_dir, str(tag)))
+        with self._guard(f"load_checkpoint {load_dir}/{tag}"):
+            result = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
+                                             load_optimizer_states=load_optimizer_states,
+                                             load_lr_scheduler_states=load_lr_scheduler_states,
+                                             load_module_only=load_module_only, custom_load_fn=custom_load_fn,
+                                             **kwargs)
+            if self.using_bf16_optimizer:
+                self.optimizer.clip_grad = 0.0     # a loaded state restores DeepSpeed's partial-norm clipping
+            if load_optimizer_states and not load_module_only and result[0] is not None and tag is not None:
+                self._load_extra_state(os.path.join(load_dir, str(tag)))
+            self._barrier(f"every rank's load of checkpoint {load_dir}/{tag}")
         return result
 
     def _save_extra_state(self, directory: str) -> None:
@@ -254,6 +268,11 @@ class ScheduledPipelineEngine(PipelineEngine):
         complete save removes what the interrupted one left behind.
         """
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
+        with self._guard(f"save_checkpoint {save_dir}/{tag}"):
+            self._save(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        return True
+
+    def _save(self, save_dir, tag: str, client_state, save_latest: bool, exclude_frozen_parameters: bool) -> None:
         tmp_tag = os.path.basename(ckpt.stage_dir(save_dir, tag))
         state = dict(client_state or {})
         state["ds_chimera_schedule"] = self.schedule.name
@@ -269,4 +288,3 @@ class ScheduledPipelineEngine(PipelineEngine):
         if self.global_rank == 0:
             ckpt.publish(self, save_dir, tag, save_latest)
         self._barrier(f"the rename of checkpoint {tag!r}")
-        return True

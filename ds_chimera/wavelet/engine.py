@@ -36,6 +36,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ..logs import get_logger
+from ..runtime import faults
 from ..runtime.clipping import clip_by_norm
 from ..runtime.p2p import post_or_fail, wait_or_fail
 from ..validation import check_fraction, check_seconds
@@ -95,6 +96,7 @@ class WaveletEngine(DeepSpeedEngine):
         self.work_times: list = []                # each step's duration from its start to its update
         self.last_wait = 0.0                      # seconds the last step waited to keep the offset
         self._step_open = False
+        self.faults = faults.monitor(wavelet["timeout"])     # one task's failure ends every task, naming it
         if dist.get_rank() == 0:
             log.info("wavelet: %d devices x 2 waves, offset %g cycle, one update per wave step (staleness 1)",
                      self.layout.world // 2, wavelet["offset"])
@@ -103,8 +105,21 @@ class WaveletEngine(DeepSpeedEngine):
     def wave_name(self) -> str:
         return "tick" if self.layout.wave == TICK else "tock"
 
-    # ---- timing of the waves -----------------------------------------------------------------
+    # ---- the engine's calls, each guarded: one task's failure ends every task ----------------------
     def forward(self, *inputs, **kwargs):
+        with faults.guard(f"wavelet forward ({self.wave_name} step {self.own_steps})", self.wavelet["timeout"]):
+            return self._forward(*inputs, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        with faults.guard(f"wavelet backward ({self.wave_name} step {self.own_steps})", self.wavelet["timeout"]):
+            return super().backward(*args, **kwargs)
+
+    def step(self, *args, **kwargs):
+        with faults.guard(f"wavelet step ({self.wave_name} step {self.own_steps})", self.wavelet["timeout"]):
+            return super().step(*args, **kwargs)
+
+    # ---- timing of the waves -----------------------------------------------------------------
+    def _forward(self, *inputs, **kwargs):
         opening = not self._step_open and self.module.training
         if opening:
             self._step_open = True
@@ -234,6 +249,10 @@ class WaveletEngine(DeepSpeedEngine):
         or stopping; ``save_checkpoint`` does."""
         if self.own_steps == 0:
             return
+        with faults.guard("wavelet drain", self.wavelet["timeout"]):
+            self._drain()
+
+    def _drain(self) -> None:
         if self.layout.wave == TICK:
             partner, _, _ = self._recv_partner()
             self._load_grads(partner)
@@ -250,5 +269,6 @@ class WaveletEngine(DeepSpeedEngine):
                         exclude_frozen_parameters=False):
         """DeepSpeed's checkpoint of the drained model (every task then holds the same weights)."""
         self.drain()
-        return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                                       exclude_frozen_parameters=exclude_frozen_parameters)
+        with faults.guard(f"wavelet save_checkpoint {save_dir}", self.wavelet["timeout"]):
+            return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                           exclude_frozen_parameters=exclude_frozen_parameters)

@@ -1,0 +1,329 @@
+"""Fault containment: one rank's failure ends every rank within seconds, naming the origin.
+
+Collectives cannot carry the news of a failure: the process groups are exactly what is
+stuck. The rendezvous store can, since every rank holds a connection to it. Each process
+runs one :class:`FaultMonitor` (a daemon thread on a clone of the default store) that
+
+- publishes a heartbeat (a counter, so clocks never need to agree) every ``BEAT_S``;
+- watches one key, ``failed``: the first failure, written once (compare-and-set) with the
+  origin rank and its exception. A rank that sees it logs
+  ``ds_chimera: rank R failed: <exception>`` and exits at once (``os._exit``): its own
+  threads may be blocked in gloo, and waiting would only wait for the timeout;
+- watches the others' heartbeats: a rank on this host whose process is gone is reported
+  dead within seconds; any rank silent for longer than the pipeline timeout is reported
+  hung (stopped, or stuck where nothing else would notice).
+
+Work on every engine (``train_batch``, ``eval_batch``, checkpoints, ``drain``, Wavelet's
+steps, Megatron's forward-backward call) runs under :meth:`FaultMonitor.guard`: an
+exception publishes the failure before it propagates, and the raising rank exits shortly
+after (``LINGER_S``) if its caller does not, so it never lingers. A communication error
+(a peer's connection closed, a bounded wait expired) is not the rank's own fault: the
+guard first looks for the real origin (a published failure, a dead process, a silent
+heartbeat), so the neighbour whose message did not come is not blamed.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+
+from ..logs import get_logger
+
+log = get_logger()
+BEAT_S = 0.25             # heartbeat and polling period
+DEAD_AFTER_S = 1.5        # silence after which a rank whose local process is gone is declared dead
+BLAME_WAIT_S = 4.0        # how long a communication error looks for its real origin
+LINGER_S = 3.0            # a rank that raised exits after this long if its caller carries on
+HOST_GRACE_S = 3.0        # the store's host waits this long, at most, for the others to read a failure
+EXIT_CODE = 1
+ENV_DISABLE = "DS_CHIMERA_FAULT_MONITOR"      # "0": no monitor (every wait is still bounded)
+PREFIX = "ds_chimera/faults/"
+IDLE = "user code between ds_chimera calls"
+STORE_GONE = ("the rendezvous store is unreachable: the process hosting it (rank 0 under env://, or the "
+              "launcher) is gone")
+
+
+class JobFailed(RuntimeError):
+    """Another rank failed; this rank stops too."""
+
+
+def _process_state(pid: int) -> str | None:
+    """'gone', 'stopped', 'zombie' or 'running' for a pid on this host (None where /proc is missing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+    except OSError:
+        return None
+    return {"T": "stopped", "t": "stopped", "Z": "zombie", "X": "gone"}.get(state, "running")
+
+
+class FaultMonitor:
+    """The per-process monitor (see the module docstring). :func:`monitor` returns the one instance."""
+
+    def __init__(self, store, rank: int, world: int, timeout_s: float):
+        self.store, self.rank, self.world = store, rank, world
+        self.timeout_s = timeout_s
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.activity = IDLE                # what this rank is doing, for the others' messages
+        # torch's env:// rendezvous makes rank 0 host the store; torchrun's agent hosts it instead
+        self.hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+        self.failed_here = False
+        self._stop = threading.Event()
+        self._beat_keys = [f"beat/{r}" for r in range(world)]
+        self._seen: dict = {}               # rank -> (last counter, local time it changed)
+        self._done: set = set()
+        self._peers: dict = {}              # rank -> (host, pid)
+        # checking every heartbeat costs the store world^2 reads per period: slow down on large jobs
+        self._check_every = max(1, world // 64)
+        store.set(f"peer/{rank}", json.dumps([self.host, self.pid]))
+        for key in self._beat_keys:         # every counter exists, so reading them never blocks
+            store.add(key, 0)
+        atexit.register(self.close)
+        self._previous_hook = sys.excepthook
+        sys.excepthook = self._uncaught
+        self._thread = threading.Thread(target=self._watch, name="ds_chimera-fault-monitor", daemon=True)
+        self._thread.start()
+
+    # ---- the failure record -------------------------------------------------------------------
+    def failure(self) -> dict | None:
+        """The published failure, or None. Raises if the store is unreachable."""
+        if self.store.check(["failed"]):
+            return json.loads(self.store.get("failed"))
+        return None
+
+    def publish(self, origin: int, message: str) -> dict:
+        """Record a failure unless one is already recorded; returns the record that stands."""
+        record = json.dumps({"origin": origin, "message": message, "reporter": self.rank})
+        try:
+            return json.loads(self.store.compare_set("failed", "", record))
+        except Exception as exc:            # no store: this rank can only speak for itself
+            log.error("ds_chimera: could not publish the failure to the rendezvous store (%s)", exc)
+            return json.loads(record)
+
+    @staticmethod
+    def line(record: dict) -> str:
+        return f"ds_chimera: rank {record['origin']} failed: {record['message']}"
+
+    # ---- guarding a rank's work ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def guard(self, what: str):
+        """Run a unit of work; an exception is published (with its real origin) before it propagates."""
+        previous, self.activity = self.activity, what
+        try:
+            yield
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit, JobFailed, GeneratorExit)):
+                raise
+            record = self._report(exc, what)
+            if not self.failed_here:
+                self.failed_here = True
+                self._exit_later()
+            if record["origin"] != self.rank:
+                raise JobFailed(self.line(record)) from exc
+            raise
+        finally:
+            self.activity = previous
+
+    def _report(self, exc: BaseException, what: str) -> dict:
+        from .p2p import PeerTimeout
+        known = self._safe_failure()
+        if known is not None:
+            return known
+        text = f"{type(exc).__name__}: {exc} (in {what})"
+        if isinstance(exc, PeerTimeout) or _is_comm_error(exc):
+            culprit = self.find_culprit(BLAME_WAIT_S)
+            if culprit is not None:
+                return culprit
+        return self.publish(self.rank, text)
+
+    def find_culprit(self, wait_s: float) -> dict | None:
+        """The real origin of a communication error: a published failure, a dead or silent rank."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                record = self.failure()
+                suspect = None if record is not None else \
+                    self._suspect(dead_after=DEAD_AFTER_S, silent_after=min(self.timeout_s, wait_s))
+            except Exception:
+                return {"origin": 0, "reporter": self.rank, "message": STORE_GONE}
+            if record is not None:
+                return record
+            if suspect is not None:
+                return self.publish(*suspect)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(BEAT_S)
+
+    def _exit_later(self) -> None:
+        """The raising rank ends within LINGER_S even if its caller catches the exception."""
+        def linger():
+            time.sleep(LINGER_S)
+            self.exit(f"ds_chimera: rank {self.rank} stopped after its failure")
+        threading.Thread(target=linger, name="ds_chimera-linger", daemon=True).start()
+
+    def _uncaught(self, kind, value, traceback) -> None:
+        """An exception no one caught, in or out of ds_chimera's calls: publish it, then end at once
+        (the interpreter's own shutdown could wait on a stuck process group). Another rank's
+        failure is one line, not a traceback of the connection it broke."""
+        if issubclass(kind, JobFailed):
+            self.exit(str(value))
+        if not issubclass(kind, (KeyboardInterrupt, SystemExit)) and not self.failed_here:
+            self.failed_here = True
+            with contextlib.suppress(Exception):
+                self.publish(self.rank, f"{kind.__name__}: {value}")
+        self._previous_hook(kind, value, traceback)
+        self.exit("")
+
+    def exit(self, message: str) -> None:
+        """End this process now (``os._exit``: its threads may be blocked in a process group).
+
+        The rank that hosts the rendezvous store (rank 0 under env://) first waits, briefly,
+        for the others to have read the failure: with it gone they could not.
+        """
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            self.store.set(f"exiting/{self.rank}", "1")
+        if self.hosts_store:
+            deadline = time.monotonic() + HOST_GRACE_S
+            others = [r for r in range(self.world) if r != self.rank]
+            while others and time.monotonic() < deadline:
+                with contextlib.suppress(Exception):
+                    others = [r for r in others if not self.store.check([f"exiting/{r}"])
+                              and not self.store.check([f"done/{r}"]) and self._alive(r)]
+                time.sleep(0.05)
+        _flush_and_exit(message)
+
+    def _alive(self, r: int) -> bool:
+        host, pid = self._peer(r)
+        return not (host == self.host and pid and _process_state(pid) in ("gone", "zombie", "stopped"))
+
+    # ---- watching the others ------------------------------------------------------------------
+    def _safe_failure(self):
+        try:
+            return self.failure()
+        except Exception:
+            return None
+
+    def _suspect(self, dead_after: float, silent_after: float):
+        """(origin, message) of a rank that died or went silent, or None. Raises if the store is gone."""
+        now = time.monotonic()
+        for r, beat in enumerate(self.store.multi_get(self._beat_keys)):
+            last = self._seen.get(r)
+            if last is None or last[0] != beat:
+                self._seen[r] = (beat, now)
+        for r in range(self.world):
+            silent = now - self._seen[r][1]
+            if r == self.rank or r in self._done or silent < min(dead_after, silent_after):
+                continue
+            if self.store.check([f"done/{r}"]):
+                self._done.add(r)
+                continue
+            host, pid = self._peer(r)
+            state = _process_state(pid) if host == self.host and pid else None
+            if silent >= dead_after and state in ("gone", "zombie"):
+                return r, f"its process (pid {pid} on {host}) died: no exception, no exit message"
+            if silent >= silent_after:
+                if host is None:
+                    return r, (f"it never reached ds_chimera's work: no heartbeat in {silent:.1f}s (timeout "
+                               f"{self.timeout_s:g}s); it died or is stuck before its first call")
+                how = "is stopped (SIGSTOP)" if state == "stopped" else "stopped responding"
+                return r, f"it {how}: no heartbeat for {silent:.1f}s (timeout {self.timeout_s:g}s)"
+        return None
+
+    def _peer(self, r: int):
+        if r not in self._peers:
+            if not self.store.check([f"peer/{r}"]):
+                return None, None
+            self._peers[r] = tuple(json.loads(self.store.get(f"peer/{r}")))
+        return self._peers[r]
+
+    def _watch(self) -> None:
+        polls = 0
+        while not self._stop.wait(BEAT_S):
+            polls += 1
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+                record = self.failure()
+                suspect = None
+                if record is None and polls % self._check_every == 0:
+                    suspect = self._suspect(dead_after=DEAD_AFTER_S, silent_after=self.timeout_s)
+            except Exception:
+                # the store's host ended (rank 0 under env://, or the launcher). If it failed, the
+                # process groups fail too, and the guarded work reports it; stop watching
+                return
+            if record is not None:
+                if record["origin"] != self.rank or not self.failed_here:
+                    where = "" if record["origin"] == self.rank else f" [rank {self.rank} stops too: it was in " \
+                                                                     f"{self.activity}]"
+                    self.exit(self.line(record) + where)
+                continue
+            if suspect is not None:
+                self.exit(self.line(self.publish(*suspect)) + f" [rank {self.rank} stops too: it was in "
+                                                               f"{self.activity}]")
+
+    def close(self) -> None:
+        """A normal end: the others must not mistake this rank's silence for a death."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            self.store.set(f"done/{self.rank}", "1")
+
+
+def _is_comm_error(exc: BaseException) -> bool:
+    text = str(exc)
+    return any(marker in text for marker in ("Connection closed", "Connection reset", "Broken pipe",
+                                             "Timed out waiting", "gloo"))
+
+
+def _flush_and_exit(message: str) -> None:
+    try:
+        sys.stdout.flush()
+        if message:
+            sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(EXIT_CODE)
+
+
+_MONITOR: FaultMonitor | None = None
+_MONITOR_LOCK = threading.Lock()
+
+
+def monitor(timeout_s: float | None = None) -> FaultMonitor | None:
+    """The process's monitor, started on first use once torch.distributed is up (None otherwise).
+
+    ``timeout_s``: the longest a rank may stay silent before it is declared hung (the
+    pipeline's timeout); the largest one registered wins.
+    """
+    global _MONITOR
+    import torch.distributed as dist
+    if os.environ.get(ENV_DISABLE) == "0" or not dist.is_available() or not dist.is_initialized():
+        return None
+    with _MONITOR_LOCK:
+        if _MONITOR is None:
+            try:
+                store = dist.distributed_c10d._get_default_store().clone()
+            except Exception as exc:       # a private torch API: without it, bounded waits remain
+                log.warning("no fault monitor (the default store cannot be cloned: %s)", exc)
+                return None
+            store.set_timeout(timedelta(seconds=30))
+            _MONITOR = FaultMonitor(dist.PrefixStore(PREFIX, store), dist.get_rank(), dist.get_world_size(),
+                                    timeout_s or 300.0)
+        elif timeout_s is not None:
+            _MONITOR.timeout_s = max(_MONITOR.timeout_s, timeout_s)
+    return _MONITOR
+
+
+def guard(what: str, timeout_s: float | None = None):
+    """:meth:`FaultMonitor.guard` of the process's monitor (a no-op context without one)."""
+    found = monitor(timeout_s)
+    return found.guard(what) if found is not None else contextlib.nullcontext()

@@ -1,0 +1,227 @@
+"""One rank of a chaos case: train, checkpoint, and (on the victim) fail at one point.
+
+    python chaos_worker.py ENGINE OUTDIR        (4 plain processes, no launcher: see tests/chaos.py)
+
+ENGINE: a pipeline schedule (1f1b, chimera, zbv, pipeoptim) or ``wavelet``. Environment:
+CHAOS="VICTIM:POINT:FAULT" injects FAULT (raise, kill, stop) at POINT (forward, backward,
+send, receive, sync, step, save) on rank VICTIM during step FAULT_STEP; PHASE=resume
+instead loads the latest checkpoint and trains the remaining steps. Every rank writes
+OUTDIR/PHASE-rankR.json with its losses and the one-process reference's; the victim
+writes OUTDIR/fault.json with the time it failed.
+"""
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as tdist
+
+import deepspeed
+import ds_chimera  # noqa: F401
+from deepspeed.pipe import LayerSpec, PipelineModule
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import BASE_SEED, WIDTH, build_reference, make_global_batches, run_reference  # noqa: E402
+
+ENGINE, OUT = sys.argv[1], sys.argv[2]
+RANK = int(os.environ["RANK"])
+TIMEOUT = float(os.environ.get("CHAOS_TIMEOUT", "10"))
+STEPS, SAVE_AFTER, FAULT_STEP = 6, (2, 4), 3     # saves after steps 2 and 4; the fault in step 3 (0-based)
+N, LR, CLIP = 8, 0.05, 0.5
+victim, point, fault = (os.environ["CHAOS"].split(":") if os.environ.get("CHAOS") else (None, None, None))
+victim = int(victim) if victim is not None else None
+state = {"step": -1, "fired": False}
+
+
+def maybe_fail(where: str) -> None:
+    """The injection: on the victim, at its point, in the fault step (or during the second save)."""
+    if RANK != victim or where != point or state["fired"]:
+        return
+    if state["step"] != FAULT_STEP:       # a save fails in the save after step FAULT_STEP: the one before is whole
+        return
+    state["fired"] = True
+    with open(os.path.join(OUT, "fault.json.tmp"), "w") as fh:
+        json.dump({"time": time.time(), "rank": RANK, "point": point, "fault": fault}, fh)
+    os.replace(os.path.join(OUT, "fault.json.tmp"), os.path.join(OUT, "fault.json"))
+    if fault == "raise":
+        raise RuntimeError(f"chaos: injected failure at {point} on rank {RANK}")
+    os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+
+
+class ChaosLinear(torch.nn.Linear):
+    """A layer that can fail in its forward or in its backward."""
+
+    def forward(self, x):
+        maybe_fail("forward")
+        return _BackwardProbe.apply(super().forward(x))
+
+
+class _BackwardProbe(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        maybe_fail("backward")
+        return grad
+
+
+def specs():
+    out = []
+    for i in range(16):
+        out.append(LayerSpec(ChaosLinear, WIDTH, WIDTH) if i % 2 == 0 else LayerSpec(torch.nn.Tanh))
+    return out
+
+
+def patch_points() -> None:
+    """send, receive, sync and save through the runtime's own functions."""
+    from ds_chimera.runtime import checkpoint, host, p2p
+
+    def around(owner, name, where):
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            maybe_fail(where)
+            return original(*args, **kwargs)
+        setattr(owner, name, wrapped)
+    around(p2p.P2P, "send", "send")
+    around(p2p.P2P, "recv", "receive")
+    around(host.PipelineHost, "wait_grad_syncs", "sync")
+    around(checkpoint, "save_layers", "save")
+
+
+def pipeline_engine():
+    net = PipelineModule(layers=specs(), num_stages=4, loss_fn=torch.nn.MSELoss(), partition_method="uniform",
+                         seed_layers=True, base_seed=BASE_SEED)
+    cfg = {"train_batch_size": N * 2, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": CLIP,
+           "steps_per_print": 1000, "pipeline": {"schedule": ENGINE, "timeout": TIMEOUT}}
+    engine, _, _, _ = deepspeed.initialize(model=net, config=cfg,
+                                           optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9))
+    original_step = engine.optimizer.step
+
+    def step(*args, **kwargs):
+        maybe_fail("step")
+        return original_step(*args, **kwargs)
+    engine.optimizer.step = step
+    return engine
+
+
+def pipeline_reference(engine) -> list:
+    """Losses of the uninterrupted run, in one process (LocalPipeline for an asynchronous schedule)."""
+    layers = build_reference(specs())
+    batches = make_global_batches(N)
+    if engine.schedule.synchronous:
+        return run_reference(layers, batches, STEPS, LR, CLIP)[0]
+    from ds_chimera.runtime.local import LocalPipeline
+    from ds_chimera.schedules import registry
+    parts = engine.plan.parts
+    stages = [torch.nn.Sequential(*layers[parts[k]:parts[k + 1]]) for k in range(4)]
+    local = LocalPipeline(registry.build(ENGINE, 4, N), stages,
+                          [torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in stages],
+                          torch.nn.functional.mse_loss, clip=CLIP)
+    return [local.train_batch(batches(step)) for step in range(STEPS)]
+
+
+def run_pipeline(phase: str) -> dict:
+    patch_points()
+    engine = pipeline_engine()
+    ckpt = os.path.join(OUT, "ckpt")
+    first = 0
+    if phase == "resume":
+        _, client = engine.load_checkpoint(ckpt)
+        first = client["steps_done"]
+    batches = make_global_batches(N)
+    losses = {}
+    for step in range(first, STEPS):
+        state["step"] = step
+        losses[step] = engine.train_batch(iter(batches(step))).item()
+        if step + 1 in SAVE_AFTER:
+            engine.save_checkpoint(ckpt, tag=f"global_step{step + 1}", client_state={"steps_done": step + 1})
+    return {"first": first, "losses": losses, "reference": pipeline_reference(engine),
+            "left": sorted(os.listdir(ckpt))}
+
+
+# ---- Wavelet: 2 devices x 2 waves, plain SGD (no optimizer state: the reference restarts cleanly) -----
+def wavelet_batch(wave, device, step):
+    g = torch.Generator().manual_seed(1000 * wave + 100 * device + step)
+    return torch.randn(2, WIDTH, generator=g), torch.randn(2, WIDTH, generator=g)
+
+
+def wavelet_model():
+    torch.manual_seed(7)
+    return torch.nn.Sequential(ChaosLinear(WIDTH, WIDTH), torch.nn.Tanh(), ChaosLinear(WIDTH, WIDTH))
+
+
+def run_wavelet(phase: str) -> dict:
+    from ds_chimera.wavelet import engine as wavelet_engine
+    from ds_chimera.wavelet import wavelet_reference
+
+    def around(name, where):
+        original = getattr(wavelet_engine.WaveletEngine, name)
+
+        def wrapped(self, *args, **kwargs):
+            maybe_fail(where)
+            return original(self, *args, **kwargs)
+        setattr(wavelet_engine.WaveletEngine, name, wrapped)
+    around("_send", "send")
+    around("_recv_partner", "receive")
+    around("_wave_average", "sync")
+    around("_take_model_step", "step")
+    cfg = {"train_batch_size": 2 * tdist.get_world_size(), "train_micro_batch_size_per_gpu": 2,
+           "gradient_clipping": 0.0, "steps_per_print": 10 ** 6,
+           "wavelet": {"enabled": True, "timeout": TIMEOUT}}
+    engine, _, _, _ = deepspeed.initialize(model=wavelet_model(), config=cfg,
+                                           optimizer=lambda p: torch.optim.SGD(p, lr=LR))
+    import deepspeed.runtime.engine as ds_engine
+    original_save = ds_engine.DeepSpeedEngine.save_checkpoint
+
+    def save(self, *args, **kwargs):
+        maybe_fail("save")
+        return original_save(self, *args, **kwargs)
+    ds_engine.DeepSpeedEngine.save_checkpoint = save
+    ckpt = os.path.join(OUT, "ckpt")
+    first = 0
+    if phase == "resume":
+        _, client = engine.load_checkpoint(ckpt)
+        first = client["steps_done"]
+    layout, losses = engine.layout, {}
+    for step in range(first, STEPS):
+        state["step"] = step
+        x, y = wavelet_batch(layout.wave, layout.device, step)
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses[step] = loss.item()
+        if step + 1 in SAVE_AFTER:
+            engine.save_checkpoint(ckpt, tag=f"global_step{step + 1}", client_state={"steps_done": step + 1})
+    engine.drain()
+    # the reference: the recurrence restarted at every save (a save drains: every task then holds all updates)
+    ref_model = wavelet_model()
+    devices = tdist.get_world_size() // 2
+    bounds = [0, *SAVE_AFTER, STEPS]
+    for a, b in zip(bounds, bounds[1:]):
+        wavelet_reference(ref_model, lambda p: torch.optim.SGD(p, lr=LR), torch.nn.functional.mse_loss,
+                          lambda wave, j, a=a: [wavelet_batch(wave, d, a + j) for d in range(devices)], b - a)
+    mine = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
+    ref = torch.cat([p.detach().reshape(-1) for p in ref_model.parameters()])
+    return {"first": first, "losses": losses, "final_param_diff": (mine - ref).abs().max().item(),
+            "left": sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else []}
+
+
+def main():
+    phase = os.environ.get("PHASE", "fault")
+    deepspeed.init_distributed(dist_backend="gloo")
+    result = run_wavelet(phase) if ENGINE == "wavelet" else run_pipeline(phase)
+    path = os.path.join(OUT, f"{phase}-rank{RANK}.json")
+    with open(path + ".tmp", "w") as fh:
+        json.dump(result, fh)
+    os.replace(path + ".tmp", path)
+    tdist.barrier()
+    print("finished all steps", flush=True)
+
+
+if __name__ == "__main__":
+    main()
