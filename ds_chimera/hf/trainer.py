@@ -26,7 +26,7 @@ import torch.distributed as dist
 from transformers import Trainer
 
 from .accel import OneProcessView
-from .args import pipeline_config_of
+from .args import pipeline_config_of, true_ranks
 from .build import build_engine
 from .checkpoint import begin, commit, load_pipeline_state, save_pipeline_state
 from .checks import check_model_fits, check_trainable
@@ -82,6 +82,8 @@ class PipelineTrainer(Trainer):
             raise ValueError("PipelineTrainer needs TrainingArguments(deepspeed=CONFIG) with a \"pipeline\": "
                              f"{{\"schedule\": NAME}} section (e.g. configs/chimera.json); got {args.deepspeed!r}")
         rank, world = _world()
+        # arguments built before ds_chimera was imported still learn the true ranks (who logs and saves)
+        true_ranks(getattr(args, "distributed_state", None))
         self.layout = describe(model)                              # unconvertible model: fails here
         self.setup = resolve(args.deepspeed, args, world)          # batch keys, ZeRO, schedule limits
         from ..runtime.plan import schedule_options
