@@ -31,10 +31,8 @@ def pipeline_config_of(value):
     A file that exists but does not parse raises (as DeepSpeed would): guessing "no pipeline"
     there could train unpipelined.
     """
-    import os as _os
-
     from .config import load_config
-    if isinstance(value, dict) or (isinstance(value, (str, _os.PathLike)) and _os.path.isfile(value)):
+    if isinstance(value, dict) or (isinstance(value, (str, os.PathLike)) and os.path.isfile(value)):
         config = load_config(value)
         return config if is_pipeline_config(config) else None
     return None

@@ -34,6 +34,7 @@ class PipelineSetup:
     micro_batch: int
     micro_batches: int     # N per step
     max_grad_norm: float   # the Trainer's; the engine always computes the norm (see engine_clip)
+    options: dict          # the schedule's own options from the "pipeline" section
 
     @property
     def global_batch(self) -> int:
@@ -159,7 +160,7 @@ def resolve(raw, args, world_size: int) -> PipelineSetup:
     config["gradient_clipping"] = clip
     _agree_precision(config, args)
     _fill_optimizer(config, args)
-    return PipelineSetup(config, name, stages, dp, micro, n, clip)
+    return PipelineSetup(config, name, stages, dp, micro, n, clip, options)
 
 
 def _agree_precision(config: dict, args) -> None:

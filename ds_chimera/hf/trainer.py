@@ -46,10 +46,30 @@ UNSUPPORTED = {"model_init": "pass a model (hyperparameter search re-creates mod
 
 def _world() -> tuple:
     """(rank, world size) of the initialised process group, else of the launcher's environment."""
-    import os
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _refuse(cls, model, args, kwargs) -> None:
+    """What the constructor cannot honour, before any work."""
+    from .routing import check_overrides
+    check_overrides(cls)
+    for key, fix in UNSUPPORTED.items():
+        if kwargs.get(key) is not None:
+            raise ValueError(f"a pipelined Trainer does not take {key}=...; {fix}")
+    optimizers = kwargs.get("optimizers") or (None, None)
+    if optimizers[1] is not None:
+        raise ValueError("a pipelined Trainer rebuilds the optimizer over the pipeline's stages, so a scheduler "
+                         "instance bound to yours would not drive it: pass optimizers=(optimizer, None) and set "
+                         "lr_scheduler_type, or configure a \"scheduler\" in the DeepSpeed config")
+    if model is None or args is None:
+        raise ValueError("a pipelined Trainer needs model= (an HF causal LM) and args= (TrainingArguments with "
+                         "deepspeed= a config with a \"pipeline\": {\"schedule\": NAME} section)")
+    if pipeline_config_of(args.deepspeed) is None:
+        raise ValueError("PipelineTrainer needs TrainingArguments(deepspeed=CONFIG) with a \"pipeline\": "
+                         f"{{\"schedule\": NAME}} section (e.g. {{\"pipeline\": {{\"schedule\": \"chimera\"}}}}); "
+                         f"got {args.deepspeed!r}")
 
 
 class PipelineTrainer(Trainer):
@@ -61,34 +81,15 @@ class PipelineTrainer(Trainer):
     default True).
     """
 
-    def __init__(self, model=None, args=None, *positional, partition_method: str = "parameters",
+    def __init__(self, model=None, args=None, *, partition_method: str = "parameters",
                  activation_checkpoint_interval: int = 0, update_model: bool = True, **kwargs):
-        from .routing import check_overrides
-        check_overrides(type(self))
-        if positional:
-            raise TypeError("PipelineTrainer takes model and args positionally, everything else by keyword")
-        for key, fix in UNSUPPORTED.items():
-            if kwargs.get(key) is not None:
-                raise ValueError(f"a pipelined Trainer does not take {key}=...; {fix}")
-        optimizers = kwargs.get("optimizers") or (None, None)
-        if optimizers[1] is not None:
-            raise ValueError("a pipelined Trainer rebuilds the optimizer over the pipeline's stages, so a scheduler "
-                             "instance bound to yours would not drive it: pass optimizers=(optimizer, None) and set "
-                             "lr_scheduler_type, or configure a \"scheduler\" in the DeepSpeed config")
-        if model is None or args is None:
-            raise ValueError("a pipelined Trainer needs model= (an HF causal LM) and args= (TrainingArguments with "
-                             "deepspeed= a config with a \"pipeline\": {\"schedule\": NAME} section)")
-        if pipeline_config_of(args.deepspeed) is None:
-            raise ValueError("PipelineTrainer needs TrainingArguments(deepspeed=CONFIG) with a \"pipeline\": "
-                             f"{{\"schedule\": NAME}} section (e.g. configs/chimera.json); got {args.deepspeed!r}")
+        _refuse(type(self), model, args, kwargs)
         rank, world = _world()
         # arguments built before ds_chimera was imported still learn the true ranks (who logs and saves)
         true_ranks(getattr(args, "distributed_state", None))
         self.layout = describe(model)                              # unconvertible model: fails here
         self.setup = resolve(args.deepspeed, args, world)          # batch keys, ZeRO, schedule limits
-        from ..runtime.plan import schedule_options
-        _, options, _ = schedule_options(self.setup.config["pipeline"])
-        check_model_fits(self.layout, self.setup, options, world)  # enough layers for the stages
+        check_model_fits(self.layout, self.setup, world)           # enough layers for the stages
         check_trainable(model)
         self.layer_specs = to_pipeline(model)                      # (then a numerical check for pp_plan models)
         self.partition_method = partition_method
