@@ -1,14 +1,17 @@
 """Train a tiny random HF causal LM with the Hugging Face Trainer on a ds_chimera pipeline schedule.
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 4 examples/hf_trainer.py --schedule chimera
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 4 examples/hf_trainer.py --deepspeed configs/chimera.json
 
 This is the explicit path: ``ds_chimera.hf.PipelineTrainer``. (An unchanged script using
 ``transformers.Trainer`` gets the same by importing ds_chimera, or by running under
 ``ds-chimera launch``: see docs/hf.md.) The model (GPT-2 or Llama) is built from a small
 config, so nothing is downloaded. The data is generated: sequences that count upwards modulo
 the vocabulary with a random stride per sequence, so the model must read the context to
-predict the next token. The DeepSpeed config is just ``{"pipeline": {"schedule": NAME}}``:
-batch sizes, clipping and the optimizer come from the TrainingArguments. The saved folder is
+predict the next token. The DeepSpeed config is ``{"pipeline": {"schedule": NAME}}`` (batch sizes,
+clipping and the optimizer come from the TrainingArguments), or a file such as configs/chimera.json,
+whose concrete values the arguments below agree with (16 samples per step on 4 ranks: 2 x 8
+micro-batches; AdamW at 3e-3 with weight decay 0.01; clipping at 1). The saved folder is
 a standard HF checkpoint, which rank 0 reloads with ``AutoModelForCausalLM.from_pretrained``.
 """
 import argparse
@@ -48,6 +51,7 @@ def tiny_model(kind: str, layers: int):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default="chimera", help="any ds_chimera schedule (ds-chimera list)")
+    parser.add_argument("--deepspeed", default=None, help="a DeepSpeed config file instead of --schedule")
     parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--steps", type=int, default=20)
@@ -58,10 +62,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     training_args = TrainingArguments(
-        output_dir=args.output_dir, deepspeed={"pipeline": {"schedule": args.schedule}},
+        output_dir=args.output_dir, deepspeed=args.deepspeed or {"pipeline": {"schedule": args.schedule}},
         per_device_train_batch_size=2, per_device_eval_batch_size=4, gradient_accumulation_steps=args.micro_batches,
-        max_steps=args.steps, learning_rate=args.lr, warmup_steps=2, logging_steps=5, eval_strategy="steps",
-        eval_steps=max(1, args.steps // 2), save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
+        max_steps=args.steps, learning_rate=args.lr, weight_decay=0.01, warmup_steps=2, logging_steps=5,
+        eval_strategy="steps", eval_steps=max(1, args.steps // 2), save_strategy="no", report_to="none",
+        disable_tqdm=True, seed=0)
     model = tiny_model(args.model, args.layers)
     trainer = PipelineTrainer(model=model, args=training_args, train_dataset=counting_dataset(4096, seed=1),
                               eval_dataset=counting_dataset(64, seed=2), data_collator=default_data_collator)
