@@ -1,14 +1,20 @@
-// Native CPU lightweight and dynamic convolution (Wu et al. 2019): forward and both gradients.
+// Native CPU lightweight and dynamic convolution (Wu et al. 2019): forward, gradients, decoding step.
 //
 // Same math, layout and checks as ds_chimera/ops/reference.py:
 //   x (B, C, T); LightConv weight (H, K); DynamicConv weight (B, H, K, T); head h = c / (C / H);
 //   y[b,c,t] = sum_k w[h,k] (or w[b,h,k,t]) * x[b,c,t+k-P], zero outside [0, T), P in [0, K-1].
 //
-// Every row is copied once into a zero-padded accumulator-typed buffer (fp32 for fp32/fp16/bf16,
-// fp64 for fp64), so the inner loops are branch-free contiguous loops over t that the compiler
-// vectorises ("for each k: out[t] += w_k * xp[t + k]"), and half/bf16 are converted only once per
-// element. Work is split with at::parallel_for (OpenMP); every output element is written by
-// one task only and summed in a fixed order, so results do not depend on the thread count.
+// Every tensor is read through its strides, so the layers' T x B x C activations (a (B, C, T)
+// view whose channels are contiguous) need no transpose. Two loop orders:
+//   * rows: one (b, c) row at a time, copied into a zero-padded accumulator-typed buffer, so
+//     the inner loops are branch-free contiguous loops over t ("for each k: out[t] += w_k *
+//     xp[t + k]"). For tensors whose time steps are contiguous (or any other layout).
+//   * channels-last: one (b, head, channel block) at a time, walking t, the inner loops over
+//     contiguous channels. For tensors whose channels are contiguous (T x B x C, B x T x C).
+// Outputs take the input's layout (at::empty_like), and the fused backward computes both
+// gradients in one pass over grad_y and x. Accumulation is fp32 for fp32/fp16/bf16 and fp64
+// for fp64. Work is split with at::parallel_for (OpenMP) into tasks that each own their
+// outputs and sum in a fixed order, so results do not depend on the thread count.
 
 #include <torch/extension.h>
 
@@ -26,6 +32,8 @@ using at::Tensor;
 
 constexpr int64_t kGrainWork = 32768;  // multiply-adds per task below which we stay serial
 constexpr int64_t kTimeBlock = 2048;   // t-block keeping a row's working set in L1/L2
+constexpr int64_t kChannelBlock = 32;  // channels a channels-last task keeps in registers
+constexpr int64_t kStepBlock = 256;    // t-block of the channels-last weight gradient
 
 int64_t grain_for(int64_t work_per_item) {
   return std::max<int64_t>(1, kGrainWork / std::max<int64_t>(1, work_per_item));
@@ -93,52 +101,64 @@ Dims check_weight_grad(const char* op, const Tensor& gy, const Tensor& x, int64_
 }
 
 // ---------------------------------------------------------------------------------------------
+// Layouts
+// ---------------------------------------------------------------------------------------------
+
+// Element strides of a (B, C, T) tensor.
+struct S3 {
+  int64_t b, c, t;
+  explicit S3(const Tensor& x) : b(x.stride(0)), c(x.stride(1)), t(x.stride(2)) {}
+};
+
+// Channels contiguous and time not: the layers' T x B x C (or B x T x C) activations.
+bool channels_last(const Tensor& x) {
+  return x.size(1) > 1 && x.stride(1) == 1 && x.size(2) > 1 && x.stride(2) != 1;
+}
+
+// grad_y in x's layout: the loops read both through one stride set (a copy only if they differ).
+Tensor like(const Tensor& t, const Tensor& x) {
+  if (t.strides() == x.strides()) return t;
+  Tensor out = at::empty_like(x);
+  out.copy_(t);
+  return out;
+}
+
+// (H, K) kernel as acc_t, optionally reversed along K (the input gradient's kernel).
+template <typename scalar_t, typename acc_t>
+std::vector<acc_t> head_kernel(const Tensor& w_, bool flip) {
+  const Tensor w = w_.contiguous();
+  const int64_t H = w.size(0), K = w.size(1);
+  const scalar_t* wp = w.const_data_ptr<scalar_t>();
+  std::vector<acc_t> out(H * K);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t k = 0; k < K; ++k) out[h * K + k] = static_cast<acc_t>(wp[h * K + (flip ? K - 1 - k : k)]);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Row helpers
 // ---------------------------------------------------------------------------------------------
 
-// dst[0 : n + pad_l + pad_r] = [0]*pad_l ++ acc(src[0:n]) ++ [0]*pad_r
+// dst[0 : n + pad_l + pad_r] = [0]*pad_l ++ acc(src[0:n:stride]) ++ [0]*pad_r
 template <typename scalar_t, typename acc_t>
-inline void load_padded(const scalar_t* src, int64_t n, int64_t pad_l, int64_t pad_r, acc_t* dst) {
+inline void load_padded(const scalar_t* src, int64_t stride, int64_t n, int64_t pad_l, int64_t pad_r, acc_t* dst) {
   std::fill(dst, dst + pad_l, acc_t(0));
-  for (int64_t i = 0; i < n; ++i) dst[pad_l + i] = static_cast<acc_t>(src[i]);
+  if (stride == 1) {
+    for (int64_t i = 0; i < n; ++i) dst[pad_l + i] = static_cast<acc_t>(src[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[pad_l + i] = static_cast<acc_t>(src[i * stride]);
+  }
   std::fill(dst + pad_l + n, dst + pad_l + n + pad_r, acc_t(0));
 }
 
-// dst[0:n] = src[lo:lo+n] of a length-T row, zero where the index falls outside [0, T).
 template <typename scalar_t, typename acc_t>
-inline void load_window(const scalar_t* src, int64_t T, int64_t lo, int64_t n, acc_t* dst) {
-  const int64_t a = std::min(n, std::max<int64_t>(0, -lo));          // leading zeros
-  const int64_t e = std::max(a, std::min(n, T - lo));                // end of the copied part
-  std::fill(dst, dst + a, acc_t(0));
-  for (int64_t i = a; i < e; ++i) dst[i] = static_cast<acc_t>(src[lo + i]);
-  std::fill(dst + e, dst + n, acc_t(0));
-}
-
-template <typename scalar_t, typename acc_t>
-inline void store(const acc_t* src, int64_t n, scalar_t* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<scalar_t>(src[i]);
-}
-
-// Hands out an acc_t view of a block of scalars: the pointer itself when the types agree,
-// otherwise a converted copy that is kept while consecutive calls ask for the same block
-// (rows of one head share their dynamic kernel).
-template <typename scalar_t, typename acc_t>
-struct AccBlock {
-  std::vector<acc_t> buf;
-  const scalar_t* cached = nullptr;
-  const acc_t* get(const scalar_t* p, int64_t n) {
-    if constexpr (std::is_same_v<scalar_t, acc_t>) {
-      return p;
-    } else {
-      if (p != cached) {
-        buf.resize(n);
-        for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<acc_t>(p[i]);
-        cached = p;
-      }
-      return buf.data();
-    }
+inline void store(const acc_t* src, int64_t n, scalar_t* dst, int64_t stride) {
+  if (stride == 1) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<scalar_t>(src[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i * stride] = static_cast<scalar_t>(src[i]);
   }
-};
+}
 
 // out[t] = sum_k w[k] * xp[t + k], t in [0, T)  (xp has T + K - 1 entries)
 template <typename acc_t>
@@ -172,6 +192,21 @@ inline void correlate_dynamic(const acc_t* __restrict__ xp, const acc_t* __restr
   }
 }
 
+// acc[t + k] += w[k*T + t] * g[t]: the dynamic input gradient scattered into a padded row.
+template <typename acc_t>
+inline void scatter_dynamic(const acc_t* __restrict__ g, const acc_t* __restrict__ w, int64_t K, int64_t T,
+                            acc_t* __restrict__ acc) {
+  for (int64_t t0 = 0; t0 < T; t0 += kTimeBlock) {
+    const int64_t n = std::min(kTimeBlock, T - t0);
+    for (int64_t k = 0; k < K; ++k) {
+      const acc_t* __restrict__ wk = w + k * T + t0;
+      const acc_t* __restrict__ gs = g + t0;
+      acc_t* __restrict__ o = acc + t0 + k;
+      for (int64_t t = 0; t < n; ++t) o[t] += wk[t] * gs[t];
+    }
+  }
+}
+
 // sum_i a[i] * b[i] with 8 independent partial sums: vectorisable without -ffast-math and
 // still a fixed summation order.
 template <typename acc_t>
@@ -184,38 +219,161 @@ inline acc_t dot(const acc_t* __restrict__ a, const acc_t* __restrict__ b, int64
   return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
 }
 
+// One (b, h) block of a dynamic kernel, (K, T) as acc_t and contiguous in t.
+template <typename scalar_t, typename acc_t>
+inline void load_dynamic_block(const scalar_t* w, int64_t sk, int64_t st, int64_t K, int64_t T, acc_t* dst) {
+  for (int64_t k = 0; k < K; ++k) load_padded(w + k * sk, st, T, 0, 0, dst + k * T);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Channels-last helpers: a block of n <= kChannelBlock contiguous channels of one head
+// ---------------------------------------------------------------------------------------------
+
+// out[j] = sum over taps k with rows[k] != nullptr of coef[k] * rows[k][j], j < n.
+template <typename scalar_t, typename acc_t>
+inline void weighted_rows(const scalar_t* const* rows, const acc_t* coef, int64_t K, int64_t n, acc_t* out) {
+  acc_t a[kChannelBlock];
+  std::fill(a, a + kChannelBlock, acc_t(0));
+  if (n == kChannelBlock) {
+    for (int64_t k = 0; k < K; ++k) {
+      const scalar_t* __restrict__ r = rows[k];
+      if (r == nullptr) continue;
+      const acc_t wk = coef[k];
+      for (int64_t j = 0; j < kChannelBlock; ++j) a[j] += wk * static_cast<acc_t>(r[j]);
+    }
+  } else {
+    for (int64_t k = 0; k < K; ++k) {
+      const scalar_t* __restrict__ r = rows[k];
+      if (r == nullptr) continue;
+      const acc_t wk = coef[k];
+      for (int64_t j = 0; j < n; ++j) a[j] += wk * static_cast<acc_t>(r[j]);
+    }
+  }
+  std::copy(a, a + n, out);
+}
+
+// sum_j a[j] * b[j] over a block of contiguous channels, in a fixed order.
+template <typename scalar_t, typename acc_t>
+inline acc_t channel_dot(const scalar_t* __restrict__ a, const scalar_t* __restrict__ b, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return dot(a, b, n);
+  } else {
+    acc_t s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      for (int j = 0; j < 8; ++j) s[j] += static_cast<acc_t>(a[i + j]) * static_cast<acc_t>(b[i + j]);
+    for (; i < n; ++i) s[i & 7] += static_cast<acc_t>(a[i]) * static_cast<acc_t>(b[i]);
+    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+  }
+}
+
+// A task of a channels-last loop: batch b, head h, channels [c0, c0 + n) (inside the head).
+struct Block {
+  int64_t b, h, c0, n;
+};
+
+inline int64_t blocks_per_head(int64_t G) { return (G + kChannelBlock - 1) / kChannelBlock; }
+
+inline Block block_of(int64_t task, const Dims& d) {
+  const int64_t per_head = blocks_per_head(d.G);
+  const int64_t bh = task / per_head, j = task % per_head;
+  const int64_t b = bh / d.H, h = bh % d.H;
+  const int64_t c0 = h * d.G + j * kChannelBlock;
+  return {b, h, c0, std::min(kChannelBlock, (h + 1) * d.G - c0)};
+}
+
+// y[b, t, block] = sum_k coef(k, t) * x[b, t + k - pad_l, block] for t in [t0, t1): the forward
+// (coef = w) and both input gradients (LightConv: w reversed; DynamicConv: w at the source
+// step), with coef(k, t) filling a K-vector per t.
+template <typename scalar_t, typename acc_t, typename Coef>
+void cl_correlate(const scalar_t* x, S3 xs, scalar_t* y, S3 ys, const Dims& d, int64_t pad_l, const Block& blk,
+                  int64_t t0, int64_t t1, std::vector<const scalar_t*>& rows, std::vector<acc_t>& coef, acc_t* out,
+                  Coef&& coef_at) {
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t k = 0; k < d.K; ++k) {
+      const int64_t s = t + k - pad_l;
+      rows[k] = (s >= 0 && s < d.T) ? x + blk.b * xs.b + s * xs.t + blk.c0 * xs.c : nullptr;
+    }
+    coef_at(t, coef.data());
+    weighted_rows(rows.data(), coef.data(), d.K, blk.n, out);
+    store(out, blk.n, y + blk.b * ys.b + t * ys.t + blk.c0 * ys.c, ys.c);
+  }
+}
+
+// part[k] += sum over t in [t0, t1) and the block's channels of g[b, t, c] * x[b, t + k - P, c]
+template <typename scalar_t, typename acc_t>
+void cl_light_weight_grad(const scalar_t* g, const scalar_t* x, S3 s, const Dims& d, int64_t P, const Block& blk,
+                          int64_t t0, int64_t t1, acc_t* part) {
+  acc_t a[kChannelBlock];
+  for (int64_t k = 0; k < d.K; ++k) {
+    const int64_t lo = std::max(t0, P - k), hi = std::min(t1, d.T + P - k);   // t + k - P in [0, T)
+    if (lo >= hi) continue;
+    std::fill(a, a + kChannelBlock, acc_t(0));
+    for (int64_t t = lo; t < hi; ++t) {
+      const scalar_t* __restrict__ gr = g + blk.b * s.b + t * s.t + blk.c0;
+      const scalar_t* __restrict__ xr = x + blk.b * s.b + (t + k - P) * s.t + blk.c0;
+      for (int64_t j = 0; j < blk.n; ++j) a[j] += static_cast<acc_t>(gr[j]) * static_cast<acc_t>(xr[j]);
+    }
+    acc_t sum = 0;
+    for (int64_t j = 0; j < blk.n; ++j) sum += a[j];
+    part[k] += sum;
+  }
+}
+
+// gw[b, h, k, t] = sum over the head's channels of g[b, t, c] * x[b, t + k - P, c], t in [t0, t1)
+template <typename scalar_t, typename acc_t>
+void cl_dynamic_weight_grad(const scalar_t* g, const scalar_t* x, S3 s, scalar_t* gw, const int64_t* ws,
+                            const Dims& d, int64_t P, int64_t b, int64_t h, int64_t t0, int64_t t1) {
+  const int64_t c0 = h * d.G;
+  scalar_t* base = gw + b * ws[0] + h * ws[1];
+  for (int64_t t = t0; t < t1; ++t) {
+    const scalar_t* gr = g + b * s.b + t * s.t + c0;
+    for (int64_t k = 0; k < d.K; ++k) {
+      const int64_t src = t + k - P;
+      const acc_t v = (src >= 0 && src < d.T) ? channel_dot<scalar_t, acc_t>(gr, x + b * s.b + src * s.t + c0, d.G)
+                                              : acc_t(0);
+      base[k * ws[2] + t * ws[3]] = static_cast<scalar_t>(v);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // LightConv
 // ---------------------------------------------------------------------------------------------
 
-// Shared by forward (w as is, pad P left) and backward_input (w flipped, pad K-1-P left):
-// both are out[t] = sum_k w[k] * in[t + k - pad_l].
-Tensor lightconv_rows(const Tensor& in_, const Tensor& w_, int64_t pad_l, bool flip, const Dims& d) {
-  const Tensor in = in_.contiguous();
-  const Tensor w = w_.contiguous();
-  Tensor out = at::empty({d.B, d.C, d.T}, in.options());
+// out[b, c, t] = sum_k w[h, k] * in[b, c, t + k - pad_l]: the forward (w as is, pad P) and the
+// input gradient (w reversed, pad K-1-P).
+Tensor lightconv_apply(const Tensor& in, const Tensor& w, int64_t pad_l, bool flip, const Dims& d) {
+  Tensor out = at::empty_like(in);
   if (out.numel() == 0) return out;
-  const int64_t rows = d.B * d.C, T = d.T, K = d.K, G = d.G, H = d.H;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.scalar_type(), "lightconv_rows", [&] {
+  const bool cl = channels_last(in);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.scalar_type(), "lightconv_apply", [&] {
     using acc_t = at::opmath_type<scalar_t>;
+    const std::vector<acc_t> wk = head_kernel<scalar_t, acc_t>(w, flip);
     const scalar_t* xin = in.const_data_ptr<scalar_t>();
-    const scalar_t* wp = w.const_data_ptr<scalar_t>();
     scalar_t* yp = out.mutable_data_ptr<scalar_t>();
-    std::vector<acc_t> wacc(H * K);
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t k = 0; k < K; ++k)
-        wacc[h * K + k] = static_cast<acc_t>(wp[h * K + (flip ? K - 1 - k : k)]);
-    at::parallel_for(0, rows, grain_for(T * K), [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> xp(T + K - 1);
-      constexpr bool direct = std::is_same_v<scalar_t, acc_t>;
-      std::vector<acc_t> acc(direct ? 0 : T);
+    const S3 xs(in), ys(out);
+    if (cl) {
+      const int64_t tasks = d.B * d.H * blocks_per_head(d.G);
+      at::parallel_for(0, tasks, grain_for(d.T * d.K * kChannelBlock), [&](int64_t begin, int64_t end) {
+        std::vector<const scalar_t*> rows(d.K);
+        std::vector<acc_t> coef(d.K), acc(kChannelBlock);
+        for (int64_t task = begin; task < end; ++task) {
+          const Block blk = block_of(task, d);
+          const acc_t* wh = wk.data() + blk.h * d.K;
+          cl_correlate(xin, xs, yp, ys, d, pad_l, blk, 0, d.T, rows, coef, acc.data(),
+                       [&](int64_t, acc_t* c) { std::copy(wh, wh + d.K, c); });
+        }
+      });
+      return;
+    }
+    at::parallel_for(0, d.B * d.C, grain_for(d.T * d.K), [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> xp(d.T + d.K - 1), acc(d.T);
       for (int64_t r = begin; r < end; ++r) {
-        const int64_t h = (r % d.C) / G;
-        load_padded(xin + r * T, T, pad_l, K - 1 - pad_l, xp.data());
-        // fp32/fp64 accumulate straight into y; half/bf16 through the fp32 row buffer
-        acc_t* dst = direct ? reinterpret_cast<acc_t*>(yp + r * T) : acc.data();
-        correlate_static(xp.data(), wacc.data() + h * K, K, T, dst);
-        if (!direct) store(acc.data(), T, yp + r * T);
+        const int64_t b = r / d.C, c = r % d.C, h = c / d.G;
+        load_padded(xin + b * xs.b + c * xs.c, xs.t, d.T, pad_l, d.K - 1 - pad_l, xp.data());
+        correlate_static(xp.data(), wk.data() + h * d.K, d.K, d.T, acc.data());
+        store(acc.data(), d.T, yp + b * ys.b + c * ys.c, ys.t);
       }
     });
   });
@@ -224,37 +382,70 @@ Tensor lightconv_rows(const Tensor& in_, const Tensor& w_, int64_t pad_l, bool f
 
 Tensor lightconv_forward(const Tensor& x, const Tensor& w, int64_t padding_l) {
   const Dims d = check_conv("lightconv_forward", x, "x", w, padding_l, false);
-  return lightconv_rows(x, w, padding_l, false, d);
+  return lightconv_apply(x, w, padding_l, false, d);
 }
 
 // grad_x[s] = sum_k w[k] * grad_y[s - k + P] = sum_k w[K-1-k] * grad_y[s + k - (K-1-P)]
 Tensor lightconv_backward_input(const Tensor& grad_y, const Tensor& w, int64_t padding_l) {
   const Dims d = check_conv("lightconv_backward_input", grad_y, "grad_y", w, padding_l, false);
-  return lightconv_rows(grad_y, w, d.K - 1 - padding_l, true, d);
+  return lightconv_apply(grad_y, w, d.K - 1 - padding_l, true, d);
 }
 
-// grad_w[h,k] = sum_{b, c in h, t} grad_y[b,c,t] * x[b,c,t+k-P]: one K-vector per (b, c) row in
-// parallel, then a fixed-order reduction over the rows of each head.
-Tensor lightconv_backward_weight(const Tensor& grad_y_, const Tensor& x_, int64_t padding_l, int64_t heads,
-                                 int64_t kernel_size) {
-  const Dims d = check_weight_grad("lightconv_backward_weight", grad_y_, x_, padding_l, heads, kernel_size);
-  const Tensor gy = grad_y_.contiguous();
-  const Tensor x = x_.contiguous();
-  const int64_t rows = d.B * d.C, T = d.T, K = d.K, G = d.G, H = d.H, C = d.C;
-  Tensor grad_w = at::empty({H, K}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "lightconv_backward_weight", [&] {
+// grad_w[h,k] = sum_{b, c in h, t} grad_y[b,c,t] * x[b,c,t+k-P], and (with w) grad_x in the same
+// pass over grad_y and x. Each task owns a K-vector of partial sums (a row, or a channel block),
+// reduced over the tasks of a head in a fixed order.
+std::tuple<Tensor, Tensor> lightconv_grads(const Tensor& grad_y_, const Tensor& x, const Tensor* w, int64_t P,
+                                           const Dims& d) {
+  const Tensor gy = like(grad_y_, x);
+  Tensor grad_w = at::empty({d.H, d.K}, x.options());
+  Tensor grad_x = w ? at::empty_like(gy) : Tensor();
+  const bool cl = channels_last(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "lightconv_grads", [&] {
     using acc_t = at::opmath_type<scalar_t>;
+    const int64_t K = d.K, T = d.T;
     const scalar_t* gp = gy.const_data_ptr<scalar_t>();
     const scalar_t* xin = x.const_data_ptr<scalar_t>();
-    std::vector<acc_t> partial(rows * K, acc_t(0));
-    if (T > 0) {
-      at::parallel_for(0, rows, grain_for(T * K), [&](int64_t begin, int64_t end) {
-        std::vector<acc_t> xp(T + K - 1);
-        AccBlock<scalar_t, acc_t> g;
-        for (int64_t r = begin; r < end; ++r) {
-          load_padded(xin + r * T, T, padding_l, K - 1 - padding_l, xp.data());
-          const acc_t* grow = g.get(gp + r * T, T);
-          acc_t* pr = partial.data() + r * K;
+    scalar_t* gxp = w ? grad_x.mutable_data_ptr<scalar_t>() : nullptr;
+    const std::vector<acc_t> wflip = w ? head_kernel<scalar_t, acc_t>(*w, true) : std::vector<acc_t>();
+    const S3 s(x), gs(gy);
+    const S3 xs_out = w ? S3(grad_x) : s;
+    const int64_t per_head = cl ? blocks_per_head(d.G) : d.G;   // tasks per (b, h)
+    const int64_t tasks = d.B * d.H * per_head;
+    std::vector<acc_t> partial(tasks * K, acc_t(0));
+    if (T > 0 && tasks > 0) {
+      at::parallel_for(0, tasks, grain_for(T * K * (cl ? kChannelBlock : 1) * (w ? 2 : 1)),
+                       [&](int64_t begin, int64_t end) {
+        if (cl) {
+          std::vector<const scalar_t*> rows(K);
+          std::vector<acc_t> coef(K), acc(kChannelBlock);
+          for (int64_t task = begin; task < end; ++task) {
+            const Block blk = block_of(task, d);
+            for (int64_t t0 = 0; t0 < T; t0 += kStepBlock) {   // both gradients per block of steps
+              const int64_t t1 = std::min(T, t0 + kStepBlock);
+              cl_light_weight_grad(gp, xin, s, d, P, blk, t0, t1, partial.data() + task * K);
+              if (w) {
+                const acc_t* wh = wflip.data() + blk.h * K;
+                cl_correlate(gp, gs, gxp, xs_out, d, K - 1 - P, blk, t0, t1, rows, coef, acc.data(),
+                             [&](int64_t, acc_t* c) { std::copy(wh, wh + K, c); });
+              }
+            }
+          }
+          return;
+        }
+        std::vector<acc_t> xp(T + K - 1), gpad(w ? T + K - 1 : 0), acc(w ? T : 0);
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t bh = task / d.G, b = bh / d.H, h = bh % d.H, c = h * d.G + task % d.G;
+          load_padded(xin + b * s.b + c * s.c, s.t, T, P, K - 1 - P, xp.data());
+          if (w) {   // grad_y padded for the input gradient; its middle is the row itself
+            load_padded(gp + b * gs.b + c * gs.c, gs.t, T, K - 1 - P, P, gpad.data());
+            correlate_static(gpad.data(), wflip.data() + h * K, K, T, acc.data());
+            store(acc.data(), T, gxp + b * xs_out.b + c * xs_out.c, xs_out.t);
+          } else {
+            gpad.resize(T);
+            load_padded(gp + b * gs.b + c * gs.c, gs.t, T, 0, 0, gpad.data());
+          }
+          const acc_t* grow = gpad.data() + (w ? K - 1 - P : 0);
+          acc_t* pr = partial.data() + task * K;
           for (int64_t t0 = 0; t0 < T; t0 += kTimeBlock) {
             const int64_t n = std::min(kTimeBlock, T - t0);
             for (int64_t k = 0; k < K; ++k) pr[k] += dot(grow + t0, xp.data() + t0 + k, n);
@@ -263,145 +454,280 @@ Tensor lightconv_backward_weight(const Tensor& grad_y_, const Tensor& x_, int64_
       });
     }
     scalar_t* out = grad_w.mutable_data_ptr<scalar_t>();
-    for (int64_t h = 0; h < H; ++h) {
+    for (int64_t h = 0; h < d.H; ++h) {
       for (int64_t k = 0; k < K; ++k) {
-        acc_t s = 0;
+        acc_t sum = 0;
         for (int64_t b = 0; b < d.B; ++b)
-          for (int64_t g = 0; g < G; ++g) s += partial[(b * C + h * G + g) * K + k];
-        out[h * K + k] = static_cast<scalar_t>(s);
+          for (int64_t j = 0; j < per_head; ++j) sum += partial[((b * d.H + h) * per_head + j) * K + k];
+        out[h * K + k] = static_cast<scalar_t>(sum);
       }
     }
   });
-  return grad_w;
+  return {grad_x, grad_w};
+}
+
+Tensor lightconv_backward_weight(const Tensor& grad_y, const Tensor& x, int64_t padding_l, int64_t heads,
+                                 int64_t kernel_size) {
+  const Dims d = check_weight_grad("lightconv_backward_weight", grad_y, x, padding_l, heads, kernel_size);
+  return std::get<1>(lightconv_grads(grad_y, x, nullptr, padding_l, d));
+}
+
+// Both gradients in one pass: grad_y and x are each read once.
+std::tuple<Tensor, Tensor> lightconv_backward(const Tensor& grad_y, const Tensor& x, const Tensor& w,
+                                              int64_t padding_l) {
+  const Dims d = check_conv("lightconv_backward", x, "x", w, padding_l, false);
+  check_weight_grad("lightconv_backward", grad_y, x, padding_l, d.H, d.K);
+  return lightconv_grads(grad_y, x, &w, padding_l, d);
 }
 
 // ---------------------------------------------------------------------------------------------
 // DynamicConv
 // ---------------------------------------------------------------------------------------------
 
-Tensor dynamicconv_forward(const Tensor& x_, const Tensor& w_, int64_t padding_l) {
-  const Dims d = check_conv("dynamicconv_forward", x_, "x", w_, padding_l, true);
-  const Tensor x = x_.contiguous();
-  const Tensor w = w_.contiguous();
-  Tensor y = at::empty({d.B, d.C, d.T}, x.options());
-  if (y.numel() == 0) return y;
-  const int64_t rows = d.B * d.C, T = d.T, K = d.K, G = d.G, C = d.C, H = d.H;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dynamicconv_forward", [&] {
+struct S4 {
+  int64_t v[4];
+  explicit S4(const Tensor& w) : v{w.stride(0), w.stride(1), w.stride(2), w.stride(3)} {}
+};
+
+// y (forward: the kernel of the output step) or grad_x (the kernel of the source step).
+Tensor dynamicconv_apply(const Tensor& in, const Tensor& w, int64_t P, bool input_grad, const Dims& d) {
+  Tensor out = at::empty_like(in);
+  if (out.numel() == 0) return out;
+  const bool cl = channels_last(in);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.scalar_type(), "dynamicconv_apply", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* xin = x.const_data_ptr<scalar_t>();
+    const scalar_t* xin = in.const_data_ptr<scalar_t>();
     const scalar_t* wp = w.const_data_ptr<scalar_t>();
-    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain_for(T * K), [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> xp(T + K - 1);
-      constexpr bool direct = std::is_same_v<scalar_t, acc_t>;
-      std::vector<acc_t> acc(direct ? 0 : T);
-      AccBlock<scalar_t, acc_t> wblock;
+    scalar_t* yp = out.mutable_data_ptr<scalar_t>();
+    const S3 xs(in), ys(out);
+    const S4 ws(w);
+    const int64_t K = d.K, T = d.T;
+    if (cl) {
+      const int64_t tasks = d.B * d.H * blocks_per_head(d.G);
+      at::parallel_for(0, tasks, grain_for(T * K * kChannelBlock), [&](int64_t begin, int64_t end) {
+        std::vector<const scalar_t*> rows(K);
+        std::vector<acc_t> coef(K), acc(kChannelBlock);
+        for (int64_t task = begin; task < end; ++task) {
+          const Block blk = block_of(task, d);
+          const scalar_t* wbh = wp + blk.b * ws.v[0] + blk.h * ws.v[1];
+          // forward: w[k, t]; input grad: gx[s] = sum_k w[k, t] gy[t], t = s - k + P, read as
+          // the correlation of gy (pad K-1-P) with tap k' = K-1-k at step t = s + k' - (K-1-P)
+          cl_correlate(xin, xs, yp, ys, d, input_grad ? K - 1 - P : P, blk, 0, T, rows, coef, acc.data(),
+                       [&](int64_t t, acc_t* c) {
+                         for (int64_t k = 0; k < K; ++k) {
+                           if (!input_grad) {
+                             c[k] = static_cast<acc_t>(wbh[k * ws.v[2] + t * ws.v[3]]);
+                           } else {
+                             const int64_t src = t + k - (K - 1 - P);
+                             c[k] = (src >= 0 && src < T)
+                                        ? static_cast<acc_t>(wbh[(K - 1 - k) * ws.v[2] + src * ws.v[3]])
+                                        : acc_t(0);
+                           }
+                         }
+                       });
+        }
+      });
+      return;
+    }
+    at::parallel_for(0, d.B * d.C, grain_for(T * K), [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> xp(T + K - 1), acc(T), wblock(K * T);
+      int64_t cached = -1;
       for (int64_t r = begin; r < end; ++r) {
-        const int64_t b = r / C, h = (r % C) / G;
-        const acc_t* wbh = wblock.get(wp + (b * H + h) * K * T, K * T);
-        load_padded(xin + r * T, T, padding_l, K - 1 - padding_l, xp.data());
-        acc_t* dst = direct ? reinterpret_cast<acc_t*>(yp + r * T) : acc.data();
-        correlate_dynamic(xp.data(), wbh, K, T, dst);
-        if (!direct) store(acc.data(), T, yp + r * T);
+        const int64_t b = r / d.C, c = r % d.C, bh = b * d.H + c / d.G;
+        if (bh != cached) {   // rows of one head share their kernel
+          load_dynamic_block(wp + b * ws.v[0] + (c / d.G) * ws.v[1], ws.v[2], ws.v[3], K, T, wblock.data());
+          cached = bh;
+        }
+        if (!input_grad) {
+          load_padded(xin + b * xs.b + c * xs.c, xs.t, T, P, K - 1 - P, xp.data());
+          correlate_dynamic(xp.data(), wblock.data(), K, T, acc.data());
+          store(acc.data(), T, yp + b * ys.b + c * ys.c, ys.t);
+        } else {   // scattered: gxp[t + k] += w[k, t] * g[t], grad_x = gxp[P : P + T]
+          load_padded(xin + b * xs.b + c * xs.c, xs.t, T, 0, 0, acc.data());
+          std::fill(xp.begin(), xp.end(), acc_t(0));
+          scatter_dynamic(acc.data(), wblock.data(), K, T, xp.data());
+          store(xp.data() + P, T, yp + b * ys.b + c * ys.c, ys.t);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+Tensor dynamicconv_forward(const Tensor& x, const Tensor& w, int64_t padding_l) {
+  const Dims d = check_conv("dynamicconv_forward", x, "x", w, padding_l, true);
+  return dynamicconv_apply(x, w, padding_l, false, d);
+}
+
+Tensor dynamicconv_backward_input(const Tensor& grad_y, const Tensor& w, int64_t padding_l) {
+  const Dims d = check_conv("dynamicconv_backward_input", grad_y, "grad_y", w, padding_l, true);
+  return dynamicconv_apply(grad_y, w, padding_l, true, d);
+}
+
+// grad_w[b,h,k,t] = sum_{c in h} grad_y[b,c,t] * x[b,c,t+k-P], and (with w) grad_x in the same
+// pass; one task per (b, h) owns its kernel gradient.
+std::tuple<Tensor, Tensor> dynamicconv_grads(const Tensor& grad_y_, const Tensor& x, const Tensor* w, int64_t P,
+                                             const Dims& d) {
+  const Tensor gy = like(grad_y_, x);
+  Tensor grad_w = w ? at::empty_like(*w) : at::empty({d.B, d.H, d.K, d.T}, x.options());
+  Tensor grad_x = w ? at::empty_like(gy) : Tensor();
+  if (grad_w.numel() == 0) return {grad_x, grad_w};
+  const bool cl = channels_last(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dynamicconv_grads", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const int64_t K = d.K, T = d.T;
+    const scalar_t* gp = gy.const_data_ptr<scalar_t>();
+    const scalar_t* xin = x.const_data_ptr<scalar_t>();
+    const scalar_t* wp = w ? w->const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* gwp = grad_w.mutable_data_ptr<scalar_t>();
+    scalar_t* gxp = w ? grad_x.mutable_data_ptr<scalar_t>() : nullptr;
+    const S3 s(x), gs(gy);
+    const S3 os = w ? S3(grad_x) : s;
+    const S4 gws(grad_w);
+    const S4 ws = w ? S4(*w) : gws;
+    at::parallel_for(0, d.B * d.H, grain_for(d.G * T * K * (w ? 2 : 1)), [&](int64_t begin, int64_t end) {
+      if (cl) {
+        std::vector<const scalar_t*> rows(K);
+        std::vector<acc_t> coef(K), acc(kChannelBlock);
+        for (int64_t bh = begin; bh < end; ++bh) {
+          const int64_t b = bh / d.H, h = bh % d.H;
+          const scalar_t* wbh = w ? wp + b * ws.v[0] + h * ws.v[1] : nullptr;
+          for (int64_t t0 = 0; t0 < T; t0 += kStepBlock) {   // both gradients per block of steps
+            const int64_t t1 = std::min(T, t0 + kStepBlock);
+            cl_dynamic_weight_grad<scalar_t, acc_t>(gp, xin, s, gwp, gws.v, d, P, b, h, t0, t1);
+            if (!w) continue;
+            for (int64_t j = 0; j < blocks_per_head(d.G); ++j) {
+              const Block blk{b, h, h * d.G + j * kChannelBlock, std::min(kChannelBlock, d.G - j * kChannelBlock)};
+              cl_correlate(gp, gs, gxp, os, d, K - 1 - P, blk, t0, t1, rows, coef, acc.data(),
+                           [&](int64_t t, acc_t* c) {
+                             for (int64_t k = 0; k < K; ++k) {
+                               const int64_t src = t + k - (K - 1 - P);
+                               c[k] = (src >= 0 && src < T)
+                                          ? static_cast<acc_t>(wbh[(K - 1 - k) * ws.v[2] + src * ws.v[3]])
+                                          : acc_t(0);
+                             }
+                           });
+            }
+          }
+        }
+        return;
+      }
+      std::vector<acc_t> xp(T + K - 1), g(T), gw(K * T), wblock(w ? K * T : 0), gxpad(w ? T + K - 1 : 0);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / d.H, h = bh % d.H;
+        std::fill(gw.begin(), gw.end(), acc_t(0));
+        if (w) load_dynamic_block(wp + b * ws.v[0] + h * ws.v[1], ws.v[2], ws.v[3], K, T, wblock.data());
+        for (int64_t c = h * d.G; c < (h + 1) * d.G; ++c) {   // channels in order: a fixed sum
+          load_padded(xin + b * s.b + c * s.c, s.t, T, P, K - 1 - P, xp.data());
+          load_padded(gp + b * gs.b + c * gs.c, gs.t, T, 0, 0, g.data());
+          for (int64_t k = 0; k < K; ++k) {
+            acc_t* __restrict__ a = gw.data() + k * T;
+            const acc_t* __restrict__ xv = xp.data() + k;
+            const acc_t* __restrict__ gv = g.data();
+            for (int64_t t = 0; t < T; ++t) a[t] += gv[t] * xv[t];
+          }
+          if (w) {
+            std::fill(gxpad.begin(), gxpad.end(), acc_t(0));
+            scatter_dynamic(g.data(), wblock.data(), K, T, gxpad.data());
+            store(gxpad.data() + P, T, gxp + b * os.b + c * os.c, os.t);
+          }
+        }
+        for (int64_t k = 0; k < K; ++k)
+          store(gw.data() + k * T, T, gwp + b * gws.v[0] + h * gws.v[1] + k * gws.v[2], gws.v[3]);
+      }
+    });
+  });
+  return {grad_x, grad_w};
+}
+
+Tensor dynamicconv_backward_weight(const Tensor& grad_y, const Tensor& x, int64_t padding_l, int64_t heads,
+                                   int64_t kernel_size) {
+  const Dims d = check_weight_grad("dynamicconv_backward_weight", grad_y, x, padding_l, heads, kernel_size);
+  return std::get<1>(dynamicconv_grads(grad_y, x, nullptr, padding_l, d));
+}
+
+std::tuple<Tensor, Tensor> dynamicconv_backward(const Tensor& grad_y, const Tensor& x, const Tensor& w,
+                                                int64_t padding_l) {
+  const Dims d = check_conv("dynamicconv_backward", x, "x", w, padding_l, true);
+  check_weight_grad("dynamicconv_backward", grad_y, x, padding_l, d.H, d.K);
+  return dynamicconv_grads(grad_y, x, &w, padding_l, d);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Incremental decoding: one causal output step from a ring buffer of the last K-1 inputs
+// ---------------------------------------------------------------------------------------------
+
+// y[b, c] = sum_{j < K-1} w[j] * buffer[(position + j) % (K-1), b, c] + w[K-1] * x[b, c], with
+// w = weight[h] (LightConv, (H, K)) or weight[b, h] (DynamicConv, (B, H, K)). The buffer's
+// oldest row is at ``position``; rows never written hold zeros (the causal zero padding).
+Tensor conv_step(const char* op, const Tensor& buffer_, const Tensor& x_, const Tensor& weight_, int64_t position,
+                 bool dynamic) {
+  check_cpu_float(op, x_, "x");
+  check_cpu_float(op, buffer_, "buffer");
+  check_cpu_float(op, weight_, "weight");
+  check_same_dtype(op, x_, "x", buffer_, "buffer");
+  check_same_dtype(op, x_, "x", weight_, "weight");
+  TORCH_CHECK_VALUE(x_.dim() == 2, op, ": x must be (B, C), got shape ", x_.sizes());
+  const int64_t B = x_.size(0), C = x_.size(1);
+  TORCH_CHECK_VALUE(weight_.dim() == (dynamic ? 3 : 2) && (!dynamic || weight_.size(0) == B), op, ": weight must be ",
+                    dynamic ? "(B, H, K)" : "(H, K)", ", got shape ", weight_.sizes());
+  const int64_t H = weight_.size(dynamic ? 1 : 0), K = weight_.size(dynamic ? 2 : 1);
+  check_heads_padding(op, C, H, K, K - 1);
+  TORCH_CHECK_VALUE(buffer_.dim() == 3 && buffer_.size(0) == K - 1 && buffer_.size(1) == B && buffer_.size(2) == C,
+                    op, ": buffer must be (K-1, B, C) = (", K - 1, ", ", B, ", ", C, "), got ", buffer_.sizes());
+  TORCH_CHECK_VALUE(K == 1 || (0 <= position && position < K - 1), op, ": position must be in [0, K-2] = [0, ",
+                    K - 2, "], got ", position);
+  const Tensor buffer = buffer_.contiguous(), x = x_.contiguous(), weight = weight_.contiguous();
+  Tensor y = at::empty({B, C}, x.options());
+  const int64_t G = C / H;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "conv_step", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* bp = buffer.const_data_ptr<scalar_t>();
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* wp = weight.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+    const int64_t tasks = B * H * blocks_per_head(G);
+    at::parallel_for(0, tasks, grain_for(K * kChannelBlock), [&](int64_t begin, int64_t end) {
+      std::vector<const scalar_t*> rows(K);
+      std::vector<acc_t> coef(K);
+      acc_t out[kChannelBlock];
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t per_head = blocks_per_head(G);
+        const int64_t bh = task / per_head, b = bh / H, h = bh % H;
+        const int64_t c0 = h * G + (task % per_head) * kChannelBlock;
+        const int64_t n = std::min(kChannelBlock, (h + 1) * G - c0);
+        for (int64_t j = 0; j < K - 1; ++j) rows[j] = bp + (((position + j) % (K - 1)) * B + b) * C + c0;
+        rows[K - 1] = xp + b * C + c0;
+        const scalar_t* wh = wp + (dynamic ? b * H + h : h) * K;
+        for (int64_t k = 0; k < K; ++k) coef[k] = static_cast<acc_t>(wh[k]);
+        weighted_rows(rows.data(), coef.data(), K, n, out);
+        store(out, n, yp + b * C + c0, 1);
       }
     });
   });
   return y;
 }
 
-// grad_x[s] = sum_k w[b,h,k,t] * grad_y[t], t = s - k + P: scattered as gxp[t + k] += w_k[t] * g[t]
-// into a padded accumulator, grad_x = gxp[P : P + T].
-Tensor dynamicconv_backward_input(const Tensor& grad_y_, const Tensor& w_, int64_t padding_l) {
-  const Dims d = check_conv("dynamicconv_backward_input", grad_y_, "grad_y", w_, padding_l, true);
-  const Tensor gy = grad_y_.contiguous();
-  const Tensor w = w_.contiguous();
-  Tensor gx = at::empty({d.B, d.C, d.T}, gy.options());
-  if (gx.numel() == 0) return gx;
-  const int64_t rows = d.B * d.C, T = d.T, K = d.K, G = d.G, C = d.C, H = d.H;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gy.scalar_type(), "dynamicconv_backward_input", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* gp = gy.const_data_ptr<scalar_t>();
-    const scalar_t* wp = w.const_data_ptr<scalar_t>();
-    scalar_t* out = gx.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain_for(T * K), [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> gxp(T + K - 1);
-      AccBlock<scalar_t, acc_t> wblock, grow;
-      for (int64_t r = begin; r < end; ++r) {
-        const int64_t b = r / C, h = (r % C) / G;
-        const acc_t* __restrict__ wbh = wblock.get(wp + (b * H + h) * K * T, K * T);
-        const acc_t* __restrict__ g = grow.get(gp + r * T, T);
-        acc_t* __restrict__ acc = gxp.data();
-        std::fill(acc, acc + T + K - 1, acc_t(0));
-        for (int64_t t0 = 0; t0 < T; t0 += kTimeBlock) {
-          const int64_t n = std::min(kTimeBlock, T - t0);
-          for (int64_t k = 0; k < K; ++k) {
-            const acc_t* __restrict__ wk = wbh + k * T + t0;
-            const acc_t* __restrict__ gs = g + t0;
-            acc_t* __restrict__ o = acc + t0 + k;
-            for (int64_t t = 0; t < n; ++t) o[t] += wk[t] * gs[t];
-          }
-        }
-        store(acc + padding_l, T, out + r * T);
-      }
-    });
-  });
-  return gx;
+Tensor lightconv_step(const Tensor& buffer, const Tensor& x, const Tensor& weight, int64_t position) {
+  return conv_step("lightconv_step", buffer, x, weight, position, false);
 }
 
-// grad_w[b,h,k,t] = sum_{c in h} grad_y[b,c,t] * x[b,c,t+k-P]; tasks are (b, h, t-block), each
-// owning a (K, block) accumulator and looping over the head's channels in order.
-Tensor dynamicconv_backward_weight(const Tensor& grad_y_, const Tensor& x_, int64_t padding_l, int64_t heads,
-                                   int64_t kernel_size) {
-  const Dims d = check_weight_grad("dynamicconv_backward_weight", grad_y_, x_, padding_l, heads, kernel_size);
-  const Tensor gy = grad_y_.contiguous();
-  const Tensor x = x_.contiguous();
-  const int64_t T = d.T, K = d.K, G = d.G, C = d.C, H = d.H;
-  Tensor grad_w = at::empty({d.B, H, K, T}, x.options());
-  if (grad_w.numel() == 0) return grad_w;
-  const int64_t tb = std::min(T, std::max<int64_t>(64, 8192 / K));  // (K, tb) accumulator ~ L1
-  const int64_t nblocks = (T + tb - 1) / tb;
-  const int64_t tasks = d.B * H * nblocks;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dynamicconv_backward_weight", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* gp = gy.const_data_ptr<scalar_t>();
-    const scalar_t* xin = x.const_data_ptr<scalar_t>();
-    scalar_t* out = grad_w.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, tasks, grain_for(G * tb * K), [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> acc(K * tb), xs(tb + K - 1), gs(tb);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t bh = task / nblocks, t0 = (task % nblocks) * tb;
-        const int64_t b = bh / H, h = bh % H;
-        const int64_t n = std::min(tb, T - t0);
-        std::fill(acc.begin(), acc.end(), acc_t(0));
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t row = b * C + h * G + g;
-          // xs[i] = x[t0 + i - P], i in [0, n + K - 1)
-          load_window(xin + row * T, T, t0 - padding_l, n + K - 1, xs.data());
-          load_window(gp + row * T, T, t0, n, gs.data());
-          const acc_t* __restrict__ gv = gs.data();
-          for (int64_t k = 0; k < K; ++k) {
-            acc_t* __restrict__ a = acc.data() + k * tb;
-            const acc_t* __restrict__ xv = xs.data() + k;
-            for (int64_t t = 0; t < n; ++t) a[t] += gv[t] * xv[t];
-          }
-        }
-        for (int64_t k = 0; k < K; ++k) store(acc.data() + k * tb, n, out + ((bh * K) + k) * T + t0);
-      }
-    });
-  });
-  return grad_w;
+Tensor dynamicconv_step(const Tensor& buffer, const Tensor& x, const Tensor& weight, int64_t position) {
+  return conv_step("dynamicconv_step", buffer, x, weight, position, true);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "ds_chimera native CPU lightweight / dynamic convolution (x: (B, C, T))";
+  m.doc() = "ds_chimera native CPU lightweight / dynamic convolution (x: (B, C, T), any strides)";
   m.def("lightconv_forward", &lightconv_forward, "y = lightconv(x, w (H, K), padding_l)", py::arg("x"),
         py::arg("weight"), py::arg("padding_l"));
   m.def("lightconv_backward_input", &lightconv_backward_input, "grad_x from grad_y and w (H, K)",
         py::arg("grad_y"), py::arg("weight"), py::arg("padding_l"));
   m.def("lightconv_backward_weight", &lightconv_backward_weight, "grad_w (H, K) in x.dtype from grad_y and x",
         py::arg("grad_y"), py::arg("x"), py::arg("padding_l"), py::arg("heads"), py::arg("kernel_size"));
+  m.def("lightconv_backward", &lightconv_backward, "(grad_x, grad_w) in one pass over grad_y and x",
+        py::arg("grad_y"), py::arg("x"), py::arg("weight"), py::arg("padding_l"));
   m.def("dynamicconv_forward", &dynamicconv_forward, "y = dynamicconv(x, w (B, H, K, T), padding_l)",
         py::arg("x"), py::arg("weight"), py::arg("padding_l"));
   m.def("dynamicconv_backward_input", &dynamicconv_backward_input, "grad_x from grad_y and w (B, H, K, T)",
@@ -409,4 +735,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dynamicconv_backward_weight", &dynamicconv_backward_weight,
         "grad_w (B, H, K, T) in x.dtype from grad_y and x", py::arg("grad_y"), py::arg("x"), py::arg("padding_l"),
         py::arg("heads"), py::arg("kernel_size"));
+  m.def("dynamicconv_backward", &dynamicconv_backward, "(grad_x, grad_w) in one pass over grad_y and x",
+        py::arg("grad_y"), py::arg("x"), py::arg("weight"), py::arg("padding_l"));
+  m.def("lightconv_step", &lightconv_step, "one causal decoding step from a (K-1, B, C) ring buffer",
+        py::arg("buffer"), py::arg("x"), py::arg("weight"), py::arg("position"));
+  m.def("dynamicconv_step", &dynamicconv_step, "one causal decoding step, per-batch kernels (B, H, K)",
+        py::arg("buffer"), py::arg("x"), py::arg("weight"), py::arg("position"));
 }

@@ -34,27 +34,61 @@ def test_dynamicconv_layer_is_the_banded_reference_in_tbc():
     torch.testing.assert_close(layer(x), want)
 
 
-@pytest.mark.parametrize("layer", [
+LAYERS = [
     lambda: LightweightConv1dTBC(8, kernel_size=4, padding_l=3, num_heads=2, weight_softmax=True, bias=True),
+    lambda: LightweightConv1dTBC(8, kernel_size=1, padding_l=0, num_heads=1, bias=True),
     lambda: DynamicConv1dTBC(8, kernel_size=5, padding_l=4, num_heads=4, weight_softmax=True, conv_bias=True),
     lambda: DynamicConv1dTBC(8, kernel_size=3, padding_l=2, num_heads=2, weight_softmax=True,
                              renorm_padding=True, in_proj=True),
-])
-def test_incremental_decoding_equals_full_sequence_with_several_tokens_per_step(layer):
+    lambda: DynamicConv1dTBC(8, kernel_size=2, padding_l=1, num_heads=8, weight_softmax=False),
+]
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize("layer", LAYERS)
+def test_incremental_decoding_equals_full_sequence_with_several_tokens_per_step(layer, backend):
+    """One token per call takes the decoding-step op, several tokens (or gradients) the
+    full-sequence op on the window: every mix equals the full sequence."""
     torch.manual_seed(1)
     module = layer().double().eval()
+    module.backend = backend
     x = torch.randn(12, 3, 8, dtype=torch.float64)
     full = module(x)
-    state, outputs = {}, []
-    for start, stop in [(0, 1), (1, 2), (2, 6), (6, 7), (7, 12)]:     # 1, 1, 4, 1 and 5 tokens per call
-        outputs.append(module(x[start:stop], incremental_state=state))
-    torch.testing.assert_close(torch.cat(outputs), full)
-    key = next(iter(state))
-    before = state[key].clone()
-    assert before.shape == (module.kernel_size - 1, 3, 8)              # the last K-1 inputs
+    calls = [(0, 1), (1, 2), (2, 6), (6, 7), (7, 8), (8, 9), (9, 12)]     # 1, 1, 4, 1, 1, 1 and 3 tokens
+    for grad in (False, True):
+        state, outputs = {}, []
+        with torch.set_grad_enabled(grad):
+            for start, stop in calls:
+                outputs.append(module(x[start:stop], incremental_state=state))
+        torch.testing.assert_close(torch.cat(outputs), full, rtol=1e-12, atol=1e-12)
+        assert all(out.requires_grad == grad for out in outputs)
+    kept = module.kernel_size - 1
+    before = module.input_buffer(state)
+    inputs = module.weight_linear(x)[..., :8] if getattr(module, "in_proj", False) else x
+    torch.testing.assert_close(before, inputs[12 - kept:].detach())          # the last K-1 inputs, oldest first
     order = torch.tensor([2, 0, 1])
-    module.reorder_incremental_state(state, order)                      # beam search reordering
-    torch.testing.assert_close(state[key], before[:, order])
+    module.reorder_incremental_state(state, order)                          # beam search reordering
+    torch.testing.assert_close(module.input_buffer(state), before[:, order])
+    if getattr(module, "in_proj", False):
+        return                                     # its buffer holds projected inputs: no full-sequence twin
+    z = torch.randn(1, 3, 8, dtype=torch.float64)
+    with torch.no_grad():                                                   # decoding goes on in the new order
+        step = module(z, incremental_state=state)
+    torch.testing.assert_close(step, module(torch.cat([before[:, order], z]))[-1:], rtol=1e-12, atol=1e-12)
+
+
+def test_decoding_steps_from_the_first_token_match_the_full_sequence_in_fp32():
+    """fp32, one token at a time from an empty state through the C++ step, 31 taps (more than
+    the sequence at first, so the zero rows of the buffer act as the causal padding)."""
+    torch.manual_seed(2)
+    for layer in (LightweightConv1dTBC(64, 31, padding_l=30, num_heads=4, weight_softmax=True),
+                  DynamicConv1dTBC(64, 31, padding_l=30, num_heads=4, weight_softmax=True, renorm_padding=True)):
+        layer.eval()
+        x = torch.randn(40, 2, 64)
+        state = {}
+        with torch.no_grad():
+            steps = torch.cat([layer(x[t:t + 1], incremental_state=state) for t in range(40)])
+            torch.testing.assert_close(steps, layer(x), rtol=1e-5, atol=1e-6)
 
 
 def test_weight_dropout_is_dropconnect_on_the_normalised_kernel():

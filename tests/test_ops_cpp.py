@@ -1,13 +1,15 @@
-"""Native CPU LightConv / DynamicConv kernels (csrc/lightconv_cpu.cpp) against ops/reference.py.
+"""Native CPU LightConv / DynamicConv kernels (csrc/lightconv_cpu.cpp) against the fp64 reference.
 
-Forward is compared with the unfold reference, the two backward kernels with autograd through
-it, always computed in float64 from the same (already rounded) inputs.
+Every output is compared elementwise with the direct fp64 reference on the same (already
+rounded) inputs, within the error bound of ds_chimera/ops/error_bounds.py: forward, both
+single-gradient kernels and the fused backward, in both loop orders (time-contiguous rows
+and the layers' channels-contiguous T x B x C), and the decoding step.
 """
 import pytest
 import torch
 
-from ds_chimera.ops import cpp_backend
-from ds_chimera.ops.reference import dynamicconv_unfold, lightconv_unfold
+from ds_chimera.ops import cpp_backend, error_bounds
+from ds_chimera.ops import reference as ref_ops
 
 if not cpp_backend.compiler_found():
     pytest.skip("no C++ compiler on PATH: the native CPU kernels cannot be built", allow_module_level=True)
@@ -19,47 +21,36 @@ def ext():
     return cpp_backend.load()
 
 
-# (rtol, atol as a fraction of the reference's largest magnitude)
-TOL = {
-    torch.float64: (1e-10, 1e-10),
-    torch.float32: (1e-5, 1e-5),
-    torch.float16: (1e-2, 2e-3),
-    torch.bfloat16: (1e-2, 1e-2),
-}
+def tbc(x):
+    """(B, C, T) as the view of a T x B x C tensor (channels contiguous)."""
+    return x.permute(2, 0, 1).contiguous().permute(1, 2, 0)
 
 
-def assert_close(got, ref, dtype, what):
-    assert got.dtype == dtype, f"{what}: dtype {got.dtype} != {dtype}"
-    assert got.is_contiguous(), f"{what}: output not contiguous"
-    rtol, atol = TOL[dtype]
-    scale = max(1.0, ref.abs().max().item())
-    torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=atol * scale, msg=lambda m: f"{what}: {m}")
-
-
-def reference(dynamic, x, w, padding_l, grad_y):
-    """(y, grad_x, grad_w) in float64 from the unfold reference and autograd."""
-    fn = dynamicconv_unfold if dynamic else lightconv_unfold
-    x64 = x.detach().double().requires_grad_()
-    w64 = w.detach().double().requires_grad_()
-    y = fn(x64, w64, padding_l)
-    gx, gw = torch.autograd.grad(y, (x64, w64), grad_y.double())
-    return y.detach(), gx, gw
+def dyn_tbc(w):
+    """(B, H, K, T) as the view of a T x B x H x K tensor, as DynamicConv1dTBC passes it."""
+    return w.permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0)
 
 
 def check_all(ext, dynamic, x, w, padding_l, grad_y, dtype, tag):
+    """Every kernel of one op on one input; returns the number of tensors compared."""
     heads, kernel = (w.shape[1], w.shape[2]) if dynamic else w.shape
-    y_ref, gx_ref, gw_ref = reference(dynamic, x, w, padding_l, grad_y)
+    refs = error_bounds.references(dynamic, x, w, padding_l, grad_y)
+    name = "dynamicconv" if dynamic else "lightconv"
+    got = {"y": getattr(ext, f"{name}_forward")(x, w, padding_l),
+           "grad_x": getattr(ext, f"{name}_backward_input")(grad_y, w, padding_l),
+           "grad_w": getattr(ext, f"{name}_backward_weight")(grad_y, x, padding_l, heads, kernel)}
+    got["grad_x fused"], got["grad_w fused"] = getattr(ext, f"{name}_backward")(grad_y, x, w, padding_l)
+    for key, tensor in got.items():
+        assert tensor.dtype == dtype, f"{tag} {key}: dtype {tensor.dtype} != {dtype}"
+    # outputs take the input's layout (the layers view them back as T x B x C for free)
+    assert got["y"].stride() == torch.empty_like(x).stride(), tag
+    assert got["grad_x fused"].stride() == torch.empty_like(x).stride(), tag
     if dynamic:
-        y = ext.dynamicconv_forward(x, w, padding_l)
-        gx = ext.dynamicconv_backward_input(grad_y, w, padding_l)
-        gw = ext.dynamicconv_backward_weight(grad_y, x, padding_l, heads, kernel)
-    else:
-        y = ext.lightconv_forward(x, w, padding_l)
-        gx = ext.lightconv_backward_input(grad_y, w, padding_l)
-        gw = ext.lightconv_backward_weight(grad_y, x, padding_l, heads, kernel)
-    assert_close(y, y_ref, dtype, f"{tag} forward")
-    assert_close(gx, gx_ref, dtype, f"{tag} backward_input")
-    assert_close(gw, gw_ref, dtype, f"{tag} backward_weight")
+        assert got["grad_w fused"].stride() == torch.empty_like(w).stride(), tag
+    u = error_bounds.accumulation_roundoff(dtype)
+    failures = error_bounds.check(got, {k: refs[k.split(" ")[0]] for k in got}, u, tag)
+    assert not failures, failures[:5]
+    return len(got)
 
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -69,21 +60,30 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("kernel", [1, 2, 3, 4, 7, 31])
 def test_grid(ext, dynamic, dtype, kernel):
+    """Heads of 2 to 64 channels (the channels-last blocks are 32 wide: one, two and partial
+    blocks), both layouts, every padding reach."""
     gen = torch.Generator().manual_seed(kernel)
-    batch, channels = 2, 8
-    for heads in (1, 2, 4):
+    batch, compared, expected = 2, 0, 0
+    for channels, heads in ((8, 1), (8, 4), (64, 1), (80, 2)):
         for padding_l in sorted({0, kernel // 2, kernel - 1}):
             for time in (1, 5, 33):
                 x = torch.randn(batch, channels, time, generator=gen).to(dtype)
                 wshape = (batch, heads, kernel, time) if dynamic else (heads, kernel)
                 w = torch.randn(wshape, generator=gen).to(dtype)
                 grad_y = torch.randn(batch, channels, time, generator=gen).to(dtype)
-                tag = f"H={heads} K={kernel} P={padding_l} T={time}"
-                check_all(ext, dynamic, x, w, padding_l, grad_y, dtype, tag)
+                for layout in ("bct", "tbc"):
+                    xs, gs = (x, grad_y) if layout == "bct" else (tbc(x), tbc(grad_y))
+                    ws = dyn_tbc(w) if dynamic and layout == "tbc" else w
+                    tag = f"C={channels} H={heads} K={kernel} P={padding_l} T={time} {layout}"
+                    compared += check_all(ext, dynamic, xs, ws, padding_l, gs, dtype, tag)
+                    expected += 5
+    assert compared == expected > 0
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["lightconv", "dynamicconv"])
-def test_non_contiguous_inputs(ext, dynamic):
+def test_other_strides(ext, dynamic):
+    """Layouts that are neither (strided rows, channels-last with a batch stride, a kernel
+    transposed in place): read through the strides, gradients in x's layout."""
     torch.manual_seed(1)
     batch, channels, time, heads, kernel = 2, 8, 19, 2, 5
     x = torch.randn(batch, time, channels).transpose(1, 2)             # (B, C, T), strided
@@ -93,8 +93,11 @@ def test_non_contiguous_inputs(ext, dynamic):
     else:
         w = torch.randn(kernel, heads).t()                             # (H, K), strided
     assert not (x.is_contiguous() or w.is_contiguous() or grad_y.is_contiguous())
+    sliced = torch.randn(batch, channels, 2 * time)[:, :, ::2]                 # rows with a stride of 2
     for padding_l in (0, 2, 4):
         check_all(ext, dynamic, x, w, padding_l, grad_y, torch.float32, f"strided P={padding_l}")
+        ws = torch.randn(batch, heads, kernel, time) if dynamic else w
+        check_all(ext, dynamic, sliced, ws, padding_l, grad_y, torch.float32, f"sliced P={padding_l}")
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["lightconv", "dynamicconv"])
@@ -106,14 +109,19 @@ def test_long_sequence(ext, dynamic):
     grad_y = torch.randn(batch, channels, time)
     for padding_l in (15, 30):
         check_all(ext, dynamic, x, w, padding_l, grad_y, torch.float32, f"T={time} P={padding_l}")
+        check_all(ext, dynamic, tbc(x), dyn_tbc(w) if dynamic else w, padding_l, tbc(grad_y), torch.float32,
+                  f"T x B x C, T={time} P={padding_l}")
 
 
 def test_result_independent_of_thread_count(ext):
     torch.manual_seed(3)
     x, gy = torch.randn(2, 16, 300), torch.randn(2, 16, 300)
     w, wd = torch.randn(4, 7), torch.randn(2, 4, 7, 300)
+    xt, gt = tbc(torch.randn(2, 128, 300)), tbc(torch.randn(2, 128, 300))
     calls = [lambda: ext.lightconv_forward(x, w, 3), lambda: ext.lightconv_backward_weight(gy, x, 3, 4, 7),
-             lambda: ext.dynamicconv_backward_input(gy, wd, 6), lambda: ext.dynamicconv_backward_weight(gy, x, 0, 4, 7)]
+             lambda: ext.dynamicconv_backward_input(gy, wd, 6), lambda: ext.dynamicconv_backward_weight(gy, x, 0, 4, 7),
+             lambda: ext.lightconv_backward(gt, xt, w, 3)[1], lambda: ext.dynamicconv_backward(gt, xt, wd, 2)[1],
+             lambda: ext.lightconv_backward(gy, x, w, 3)[1], lambda: ext.dynamicconv_backward(gy, x, wd, 2)[1]]
     threads = torch.get_num_threads()
     try:
         many = [f() for f in calls]
@@ -162,6 +170,31 @@ def test_errors(ext, dynamic):
         bwd_w(x[:, :, :4], x, 1, 2, 3)
     with pytest.raises(RuntimeError, match="must be a CPU tensor"):
         fwd(x.to("meta"), w.to("meta"), 1)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["lightconv", "dynamicconv"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_decoding_step(ext, dynamic, dtype):
+    """One output per channel from the ring buffer, at every position, within the bound of the
+    fp64 step (which tests/test_nn.py ties to full-sequence decoding)."""
+    gen = torch.Generator().manual_seed(7)
+    compared = 0
+    for kernel, channels, heads in ((1, 8, 2), (2, 8, 1), (5, 64, 2), (31, 80, 2)):
+        buf = torch.randn(kernel - 1, 3, channels, generator=gen).to(dtype)
+        x = torch.randn(3, channels, generator=gen).to(dtype)
+        w = torch.randn(*((3, heads, kernel) if dynamic else (heads, kernel)), generator=gen).to(dtype)
+        step = ref_ops.dynamicconv_step if dynamic else ref_ops.lightconv_step
+        for position in range(max(1, kernel - 1)):
+            got = (ext.dynamicconv_step if dynamic else ext.lightconv_step)(buf, x, w, position)
+            want = step(buf.double(), x.double(), w.double(), position)
+            magnitude = step(buf.double().abs(), x.double().abs(), w.double().abs(), position)
+            ratio, where = error_bounds.excess(got, want, magnitude, kernel, error_bounds.accumulation_roundoff(dtype))
+            assert got.dtype == dtype and ratio <= 1, (kernel, position, ratio, where)
+            compared += 1
+    assert compared == 1 + 1 + 4 + 30
+    with pytest.raises(ValueError, match=r"position must be in \[0, K-2\] = \[0, 3\], got 4"):
+        (ext.dynamicconv_step if dynamic else ext.lightconv_step)(
+            torch.zeros(4, 1, 8), torch.zeros(1, 8), torch.zeros(*((1, 2, 5) if dynamic else (2, 5))), 4)
 
 
 def test_unavailable_warns_once(monkeypatch):

@@ -1,9 +1,11 @@
 """fairseq-compatible LightweightConv1dTBC and DynamicConv1dTBC on the ds_chimera ops.
 
 Constructor arguments, defaults, parameter names and shapes follow fairseq's modules, so
-their state dicts load with ``load_state_dict``. Input and output are T x B x C. The
-convolution itself is ``torch.ops.ds_chimera.lightconv_forward`` / ``dynamicconv_forward``
-(Triton on CUDA, C++ on CPU, pure torch elsewhere).
+their state dicts load with ``load_state_dict`` (tests/test_ops_fairseq.py compares the
+outputs). Input and output are T x B x C. The convolution itself is
+``torch.ops.ds_chimera.lightconv_forward`` / ``dynamicconv_forward`` (Triton on CUDA, C++
+on CPU, pure torch elsewhere), called on a (B, C, T) view of the input: the ops read any
+strides and return the input's layout, so the layer copies nothing.
 
 Differences from fairseq, on purpose:
 
@@ -11,8 +13,12 @@ Differences from fairseq, on purpose:
 * Weight dropout is DropConnect on the normalised kernel with no renormalisation, drawn
   once per forward for LightConv (fairseq draws it per position in one code path and per
   (t, b, h) in the other) and per predicted kernel for DynamicConv (as fairseq).
-* Incremental decoding keeps the last K-1 inputs and is exact for any number of new
-  tokens per call; fairseq's buffer treats several new tokens as independent.
+* Incremental decoding keeps the last K-1 inputs in a ring buffer and computes a one-token
+  call with the decoding-step op (one output per head and channel, no recomputation of the
+  window); it is exact for any number of new tokens per call, where fairseq's buffer treats
+  several new tokens as independent.
+* Softmax runs in at least fp32 (fairseq: fp32 for LightConv, the input's dtype for
+  DynamicConv; the two agree in fp32 and fp64).
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.library import dynamicconv, lightconv
+from ..ops.library import conv_step, dynamicconv, lightconv
 
 
 def _xavier_linear(in_features, out_features, bias=True):
@@ -33,8 +39,16 @@ def _xavier_linear(in_features, out_features, bias=True):
     return layer
 
 
+def _softmax(logits, dim):
+    """Softmax in at least fp32, returned in the logits' dtype."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return F.softmax(logits, dim=dim, dtype=dtype).to(logits.dtype)
+
+
 class _IncrementalConv(nn.Module):
-    """Shared validation and the decoding buffer (the last K-1 inputs, T x B x C)."""
+    """Shared validation and the decoding state: a ring buffer of the last K-1 inputs
+    (K-1 x B x C, zeros before the first token), the slot of its oldest row, and the
+    number of tokens seen."""
 
     def _check(self, input_size, kernel_size, padding_l, num_heads, weight_dropout):
         if kernel_size < 1:
@@ -49,22 +63,47 @@ class _IncrementalConv(nn.Module):
         self._state_key = f"{type(self).__name__}.{uuid.uuid4().hex}"
         return padding_l
 
-    def _extend(self, x, incremental_state):
-        """Prepend the buffered inputs to x and store the new buffer; returns (window, new tokens)."""
+    def _state(self, x, incremental_state):
+        """(buffer, position, steps) for this layer, created on the first call."""
         if self.padding_l != self.kernel_size - 1:
             raise ValueError("incremental decoding needs causal padding, padding_l = kernel_size - 1 = "
                              f"{self.kernel_size - 1}; got {self.padding_l}")
-        key = self._state_key + ".input_buffer"
-        buffer = incremental_state.get(key)
-        window = x if buffer is None else torch.cat([buffer, x], dim=0)
+        state = incremental_state.get(self._state_key)
+        if state is None:
+            state = incremental_state[self._state_key] = {
+                "input_buffer": x.new_zeros(self.kernel_size - 1, x.shape[1], x.shape[2]), "position": 0, "steps": 0}
+        return state
+
+    def _window(self, state, x):
+        """The full window for several new tokens (or gradients): the buffer oldest first, then
+        x; the buffer becomes the last K-1 rows, oldest first."""
+        buffer, position = state["input_buffer"], state["position"]
+        window = torch.cat([buffer.roll(-position, dims=0), x], dim=0)
+        state["input_buffer"] = window[window.shape[0] - buffer.shape[0]:].detach().clone()
+        state["position"] = 0
+        return window
+
+    def _advance(self, state, x):
+        """After a one-token step: x replaces the oldest row."""
         if self.kernel_size > 1:
-            incremental_state[key] = window[-(self.kernel_size - 1):]
-        return window, x.shape[0]
+            state["input_buffer"][state["position"]].copy_(x[0])
+            state["position"] = (state["position"] + 1) % (self.kernel_size - 1)
+
+    @staticmethod
+    def _needs_grad(*tensors):
+        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+    def input_buffer(self, incremental_state):
+        """The last K-1 inputs, oldest first (zeros before the first token), or None."""
+        state = incremental_state.get(self._state_key)
+        if state is None:
+            return None
+        return state["input_buffer"].roll(-state["position"], dims=0)
 
     def reorder_incremental_state(self, incremental_state, new_order):
-        key = self._state_key + ".input_buffer"
-        if incremental_state.get(key) is not None:
-            incremental_state[key] = incremental_state[key].index_select(1, new_order)
+        state = incremental_state.get(self._state_key)
+        if state is not None:
+            state["input_buffer"] = state["input_buffer"].index_select(1, new_order)
 
 
 class LightweightConv1dTBC(_IncrementalConv):
@@ -89,18 +128,26 @@ class LightweightConv1dTBC(_IncrementalConv):
         """The (H, K) kernel the convolution applies: softmax-normalised, then DropConnect."""
         weight = self.weight.view(self.num_heads, self.kernel_size)
         if self.weight_softmax:
-            weight = F.softmax(weight.float(), dim=1).type_as(weight)
+            weight = _softmax(weight, dim=1)
         return F.dropout(weight, self.weight_dropout, training=self.training)
 
     def forward(self, x, incremental_state=None, unfold=False):
         """x: T x B x C -> T x B x C. ``unfold`` is accepted for fairseq compatibility and ignored."""
         if x.dim() != 3 or x.shape[2] != self.input_size:
             raise ValueError(f"expected T x B x {self.input_size} input, got {tuple(x.shape)}")
-        new = x.shape[0]
-        if incremental_state is not None:
-            x, new = self._extend(x, incremental_state)
-        out = lightconv(x.permute(1, 2, 0), self.kernel().to(x.dtype), self.padding_l, self.backend)
-        out = out.permute(2, 0, 1)[-new:]
+        kernel = self.kernel().to(x.dtype)
+        if incremental_state is None:
+            out = lightconv(x.permute(1, 2, 0), kernel, self.padding_l, self.backend).permute(2, 0, 1)
+        else:
+            state = self._state(x, incremental_state)
+            new = x.shape[0]
+            if new == 1 and not self._needs_grad(x, kernel):
+                out = conv_step(state["input_buffer"], x[0], kernel, state["position"], False, self.backend)[None]
+                self._advance(state, x)
+            else:
+                window = self._window(state, x)
+                out = lightconv(window.permute(1, 2, 0), kernel, self.padding_l, self.backend).permute(2, 0, 1)[-new:]
+            state["steps"] += new
         if self.bias is not None:
             out = out + self.bias.view(1, 1, -1)
         return out
@@ -144,36 +191,52 @@ class DynamicConv1dTBC(_IncrementalConv):
             raise ValueError(f"expected T x B x {self.input_size} input, got {tuple(x.shape)}")
         if query is not None and self.in_proj:
             raise ValueError("query cannot be used with in_proj=True")
-        heads, kernel = self.num_heads, self.kernel_size
         if self.in_proj:
             proj = self.weight_linear(x)
             x, logits = proj[..., :self.input_size], proj[..., self.input_size:]
         else:
             logits = self.weight_linear(x if query is None else query)
-        new = x.shape[0]
-        if incremental_state is not None:
-            x, new = self._extend(x, incremental_state)
-            # only the new steps' kernels are needed; earlier window positions get zero kernels
-            pad = logits.new_zeros(x.shape[0] - new, *logits.shape[1:])
-            logits = torch.cat([pad, logits], dim=0)
         time, batch = x.shape[0], x.shape[1]
-        logits = logits.reshape(time, batch, heads, kernel).permute(1, 2, 3, 0)      # B x H x K x T
-        weight = self._normalise(logits, time)
-        out = dynamicconv(x.permute(1, 2, 0), weight.to(x.dtype).contiguous(), self.padding_l, self.backend)
-        out = out.permute(2, 0, 1)[-new:]
+        logits = logits.reshape(time, batch, self.num_heads, self.kernel_size)          # T x B x H x K
+        if incremental_state is None:
+            weight = self._normalise(logits, self._inside(time, time, 0)).to(x.dtype)
+            out = dynamicconv(x.permute(1, 2, 0), weight.permute(1, 2, 3, 0), self.padding_l, self.backend)
+            out = out.permute(2, 0, 1)
+        else:
+            state = self._state(x, incremental_state)
+            # window positions before the first token are padding (renorm_padding masks them)
+            first = self.kernel_size - 1 - min(state["steps"], self.kernel_size - 1)
+            weight = self._normalise(logits, self._inside(time, time + self.kernel_size - 1, first)).to(x.dtype)
+            if time == 1 and not self._needs_grad(x, weight):
+                out = conv_step(state["input_buffer"], x[0], weight[0], state["position"], True, self.backend)[None]
+                self._advance(state, x)
+            else:
+                window = self._window(state, x)
+                # only the new steps' kernels are needed; earlier window positions get zero kernels
+                weight = torch.cat([weight.new_zeros(window.shape[0] - time, *weight.shape[1:]), weight])
+                out = dynamicconv(window.permute(1, 2, 0), weight.permute(1, 2, 3, 0), self.padding_l,
+                                  self.backend).permute(2, 0, 1)[-time:]
+            state["steps"] += time
         if self.conv_bias is not None:
             out = out + self.conv_bias.view(1, 1, -1)
         return out
 
-    def _normalise(self, logits, time):
+    def _inside(self, new, length, first):
+        """(new, K) mask of the taps of the last ``new`` steps of a sequence of ``length`` that
+        read a position in [first, length), or None without renorm_padding."""
+        if not (self.weight_softmax and self.renorm_padding):
+            return None
+        t = torch.arange(length - new, length)[:, None]
+        src = t + torch.arange(self.kernel_size)[None, :] - self.padding_l
+        return (src >= first) & (src < length)
+
+    def _normalise(self, logits, inside):
+        """T x B x H x K kernels: softmax over the taps (those inside the sequence with
+        renorm_padding), then DropConnect."""
         if self.weight_softmax:
-            if self.renorm_padding:   # softmax over the taps that fall inside the sequence only
-                k = torch.arange(self.kernel_size, device=logits.device)[:, None]
-                t = torch.arange(time, device=logits.device)[None, :]
-                src = t + k - self.padding_l
-                valid = (src >= 0) & (src < time)
-                logits = logits.float().masked_fill(~valid, float("-inf"))
-            weight = F.softmax(logits.float(), dim=2).type_as(logits)
+            if inside is not None:
+                logits = logits.masked_fill(~inside.to(logits.device)[:, None, None, :], float("-inf"))
+            weight = _softmax(logits, dim=3)
         else:
             weight = logits
         return F.dropout(weight, self.weight_dropout, training=self.training)

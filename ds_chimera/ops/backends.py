@@ -3,7 +3,8 @@
 A backend provides the six primitive functions (forward, input grad, weight grad for
 LightConv and DynamicConv) on some devices, and may provide ``lightconv_backward`` /
 ``dynamicconv_backward`` (grad, x, weight, padding_l) -> (grad_x, grad_w), which compute
-both gradients in one pass. Built in: ``torch`` (the reference, anywhere),
+both gradients in one pass, and ``lightconv_step`` / ``dynamicconv_step`` (buffer, x,
+weight, position) -> y, one decoding step. Inputs come with any strides. Built in: ``torch`` (the reference, anywhere),
 ``cpp`` (csrc/, CPU) and ``triton`` (CUDA; CPU under TRITON_INTERPRET=1). The choice is,
 in order: an explicit ``backend=`` argument, ``DS_CHIMERA_KERNEL``, then the fastest
 available for the tensor's device. Falling back from the preferred backend warns once.
@@ -28,6 +29,8 @@ FUNCTIONS = ("lightconv_forward", "lightconv_backward_input", "lightconv_backwar
              "dynamicconv_forward", "dynamicconv_backward_input", "dynamicconv_backward_weight")
 # optional: both gradients in one pass; the ops fall back to the two gradient functions
 FUSED_FUNCTIONS = ("lightconv_backward", "dynamicconv_backward")
+# optional: one causal decoding step (buffer, x, weight, position); the fallback is the reference
+STEP_FUNCTIONS = ("lightconv_step", "dynamicconv_step")
 log = logging.getLogger(__name__)
 
 
@@ -42,6 +45,8 @@ class TorchBackend:
 
     lightconv_forward = staticmethod(reference.lightconv_unfold)
     dynamicconv_forward = staticmethod(reference.dynamicconv_unfold)
+    lightconv_step = staticmethod(reference.lightconv_step)
+    dynamicconv_step = staticmethod(reference.dynamicconv_step)
 
     @staticmethod
     def lightconv_backward_input(grad, weight, padding_l):
@@ -97,7 +102,7 @@ class CppBackend:
         return True, ""
 
     def __getattr__(self, name):
-        if name in FUNCTIONS:
+        if name in FUNCTIONS or name in FUSED_FUNCTIONS or name in STEP_FUNCTIONS:
             from . import cpp_backend
             return getattr(cpp_backend.load(), name)
         raise AttributeError(name)
@@ -119,10 +124,15 @@ class TritonBackend:
         return False, f"triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {device.type}"
 
     def __getattr__(self, name):
-        if name in FUNCTIONS or name in FUSED_FUNCTIONS:
+        if name in FUNCTIONS or name in FUSED_FUNCTIONS or name in STEP_FUNCTIONS:
             from . import triton_kernels
             return getattr(triton_kernels, name)
         raise AttributeError(name)
+
+
+def step_function(backend, name: str):
+    """The backend's decoding step ``name``, or the reference's where it has none."""
+    return getattr(backend, name, None) or getattr(reference, name)
 
 
 PREFERENCE = {"cuda": ("triton", "torch"), "cpu": ("cpp", "torch")}

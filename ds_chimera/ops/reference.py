@@ -6,12 +6,16 @@ Channel c uses head h(c) = c // (C // H). Output at time t reads x at t + k - pa
 k = 0..K-1, zero outside [0, T): padding_l = K // 2 is the encoder's centred window, K - 1
 the decoder's causal one. Any K, any H dividing C, any padding_l in [0, K-1].
 
-Two pure-torch algorithms:
+Three pure-torch algorithms:
 
 * ``unfold``: gathers the K shifted copies of x (B, C, T, K) and contracts them; memory
-  O(B C T K). This is the definition written as code.
+  O(B C T K). The torch backend runs this one.
 * ``band``: builds the (T, T) banded matrix of each head's kernel and multiplies; memory
   O(H T^2), fast for short sequences.
+* ``direct``: the sum over taps of shifted slices, term by term as the formula reads; the
+  tests' independent reference (the torch backend must not be checked against itself).
+
+Decoding: ``*_step`` compute one causal output from a ring buffer of the last K-1 inputs.
 """
 from __future__ import annotations
 
@@ -36,6 +40,28 @@ def check_shapes(x: torch.Tensor, weight: torch.Tensor, padding_l: int, dynamic:
     if not 0 <= padding_l < kernel:
         raise ValueError(f"padding_l must be in [0, K-1] = [0, {kernel - 1}], got {padding_l}")
     return batch, channels, time, heads, kernel
+
+
+def check_step(buffer: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, position: int, dynamic: bool) -> tuple:
+    """Shapes of a decoding step: x (B, C), weight (H, K) or (B, H, K), buffer (K-1, B, C)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be (B, C), got shape {tuple(x.shape)}")
+    batch, channels = x.shape
+    if dynamic:
+        if weight.dim() != 3 or weight.shape[0] != batch:
+            raise ValueError(f"dynamic step weight must be (B={batch}, H, K), got {tuple(weight.shape)}")
+    elif weight.dim() != 2:
+        raise ValueError(f"lightconv step weight must be (H, K), got shape {tuple(weight.shape)}")
+    heads, kernel = weight.shape[-2:]
+    if heads < 1 or channels % heads:
+        raise ValueError(f"the number of heads must divide the channels: H={heads}, C={channels}")
+    if tuple(buffer.shape) != (kernel - 1, batch, channels):
+        raise ValueError(f"buffer must be (K-1, B, C) = {(kernel - 1, batch, channels)}, got {tuple(buffer.shape)}")
+    if kernel > 1 and not 0 <= position < kernel - 1:
+        raise ValueError(f"position must be in [0, K-2] = [0, {kernel - 2}], got {position}")
+    if not (x.dtype == buffer.dtype == weight.dtype):
+        raise TypeError(f"x, buffer and weight must have one dtype, got {x.dtype}, {buffer.dtype}, {weight.dtype}")
+    return batch, channels, heads, kernel
 
 
 def accum_dtype(x: torch.Tensor) -> torch.dtype:
@@ -97,3 +123,80 @@ def dynamicconv_band(x: torch.Tensor, weight: torch.Tensor, padding_l: int) -> t
     xh = x.to(acc).reshape(batch, heads, channels // heads, time)
     out = torch.einsum("bhgs,bhts->bhgt", xh, band)
     return out.reshape(batch, channels, time).to(x.dtype)
+
+
+def _direct(x: torch.Tensor, coef, kernel: int, padding_l: int) -> torch.Tensor:
+    """sum_k coef(k) * x[..., t + k - padding_l], one shifted slice per tap."""
+    time = x.shape[-1]
+    out = torch.zeros_like(x)
+    for k in range(kernel):
+        shift = k - padding_l                                         # y[t] += c_k * x[t + shift]
+        lo, hi = max(0, -shift), min(time, time - shift)
+        if lo < hi:
+            out[..., lo:hi] += coef(k, lo, hi) * x[..., lo + shift:hi + shift]
+    return out
+
+
+def lightconv_direct(x: torch.Tensor, weight: torch.Tensor, padding_l: int) -> torch.Tensor:
+    batch, channels, time, heads, kernel = check_shapes(x, weight, padding_l, dynamic=False)
+    acc = accum_dtype(x)
+    xh, w = x.to(acc).reshape(batch, heads, channels // heads, time), weight.to(acc)
+    out = _direct(xh, lambda k, lo, hi: w[:, k, None, None], kernel, padding_l)      # (H, 1, 1) per tap
+    return out.reshape(batch, channels, time).to(x.dtype)
+
+
+def dynamicconv_direct(x: torch.Tensor, weight: torch.Tensor, padding_l: int) -> torch.Tensor:
+    batch, channels, time, heads, kernel = check_shapes(x, weight, padding_l, dynamic=True)
+    acc = accum_dtype(x)
+    xh, w = x.to(acc).reshape(batch, heads, channels // heads, time), weight.to(acc)
+    out = _direct(xh, lambda k, lo, hi: w[:, :, None, k, lo:hi], kernel, padding_l)  # (B, H, 1, steps)
+    return out.reshape(batch, channels, time).to(x.dtype)
+
+
+def direct_grads(dynamic: bool, x: torch.Tensor, weight: torch.Tensor, padding_l: int, grad: torch.Tensor):
+    """(grad_x, grad_w) of the op, tap by tap from the formula (no autograd), in x's accumulator:
+    grad_x[t + k - P] += w[k(, t)] grad[t]; grad_w[h, k] (or [b, h, k, t]) = sum of
+    grad[t] x[t + k - P] over the head's channels (and, for LightConv, batch and steps)."""
+    batch, channels, time, heads, kernel = check_shapes(x, weight, padding_l, dynamic)
+    acc = accum_dtype(x)
+    xh = x.to(acc).reshape(batch, heads, channels // heads, time)
+    gh = grad.to(acc).reshape(batch, heads, channels // heads, time)
+    w = weight.to(acc)
+    gx = torch.zeros_like(xh)
+    gw = torch.zeros(weight.shape, dtype=acc, device=x.device)
+    for k in range(kernel):
+        shift = k - padding_l                                         # y[t] reads x[t + shift]
+        lo, hi = max(0, -shift), min(time, time - shift)              # the t with t + shift inside
+        if lo >= hi:
+            continue
+        g, xs = gh[..., lo:hi], xh[..., lo + shift:hi + shift]
+        coef = w[:, :, None, k, lo:hi] if dynamic else w[:, k, None, None]
+        gx[..., lo + shift:hi + shift] += coef * g
+        if dynamic:
+            gw[:, :, k, lo:hi] = (g * xs).sum(2)
+        else:
+            gw[:, k] = (g * xs).sum((0, 2, 3))
+    return gx.reshape(batch, channels, time).to(x.dtype), gw.to(x.dtype)
+
+
+def _step_window(buffer: torch.Tensor, x: torch.Tensor, position: int) -> torch.Tensor:
+    """(K, B, C): the buffer's rows oldest first, then x."""
+    rows = buffer.shape[0]
+    order = (torch.arange(rows, device=buffer.device) + position) % max(rows, 1)
+    return torch.cat([buffer[order], x.unsqueeze(0)], dim=0)
+
+
+def lightconv_step(buffer: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, position: int) -> torch.Tensor:
+    """y[b, c] = sum_k w[h(c), k] * window[k, b, c], window = the last K-1 inputs then x."""
+    batch, channels, heads, kernel = check_step(buffer, x, weight, position, dynamic=False)
+    acc = accum_dtype(x)
+    w = weight.to(acc).repeat_interleave(channels // heads, dim=0)    # (C, K)
+    return torch.einsum("kbc,ck->bc", _step_window(buffer, x, position).to(acc), w).to(x.dtype)
+
+
+def dynamicconv_step(buffer: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, position: int) -> torch.Tensor:
+    """lightconv_step with per-batch kernels, weight (B, H, K)."""
+    batch, channels, heads, kernel = check_step(buffer, x, weight, position, dynamic=True)
+    acc = accum_dtype(x)
+    w = weight.to(acc).repeat_interleave(channels // heads, dim=1)    # (B, C, K)
+    return torch.einsum("kbc,bck->bc", _step_window(buffer, x, position).to(acc), w).to(x.dtype)

@@ -42,10 +42,17 @@ def _band_from_tile(wt, idx, KP: tl.constexpr, ON_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _rows_of_head(bh, g, C, T, CPH, H):
-    """(head, row offsets, row mask) of channels ``g`` of the head of (batch, head) ``bh``."""
+def _rows_of_head(bh, g, CPH, H, SB, SC):
+    """(head, row offsets, row mask) of channels ``g`` of the head of (batch, head) ``bh``;
+    element (row, t) is at offset row + t * ST."""
     h = bh % H
-    return h, ((bh // H) * C + h * CPH + g).to(tl.int64) * T, g < CPH
+    return h, (bh // H).to(tl.int64) * SB + (h * CPH + g).to(tl.int64) * SC, g < CPH
+
+
+@triton.jit
+def _kernel_base(w_ptr, bh, H, WB, WH):
+    """Pointer to the per-step kernels of (batch, head) ``bh``: tap k, step t at + k*WK + t*WT."""
+    return w_ptr + (bh // H).to(tl.int64) * WB + (bh % H).to(tl.int64) * WH
 
 
 @triton.jit
@@ -95,15 +102,16 @@ def _mirrored_head_bands(w_ptr, h, K, P, d, LEFT: tl.constexpr, RIGHT: tl.conste
 
 
 @triton.jit
-def _win_forward(x_ptr, w_ptr, y_ptr, C, T, K, P, CPH, H, TILES,
+def _win_forward(x_ptr, w_ptr, y_ptr, C, T, K, P, CPH, H, TILES, SB, SC, ST, WB, WH, WK, WT,
                  DYNAMIC: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
                  BG: tl.constexpr, W: tl.constexpr, KP: tl.constexpr, PREC: tl.constexpr):
     """y[g, t0 + j] = sum over windows off of X[g, t0 + off + i] * band_off[i, j], k = i - j + off + P."""
     bh = tl.program_id(0)
-    h, rows, in_g = _rows_of_head(bh, tl.program_id(1) * BG + tl.arange(0, BG), C, T, CPH, H)
+    h, rows, in_g = _rows_of_head(bh, tl.program_id(1) * BG + tl.arange(0, BG), CPH, H, SB, SC)
     j = tl.arange(0, W)
     d = tl.arange(0, W)[:, None] - j[None, :]
     kk = tl.arange(0, KP)
+    wbase = _kernel_base(w_ptr, bh, H, WB, WH) + kk[:, None] * WK
     if not DYNAMIC:
         # one kernel per head: the three bands are built once for all the program's tiles
         bl, bm, br = _forward_bands(w_ptr, w_ptr, h, K, P, d, False, LEFT, RIGHT, W, KP)
@@ -111,60 +119,59 @@ def _win_forward(x_ptr, w_ptr, y_ptr, C, T, K, P, CPH, H, TILES,
         tile = tl.program_id(2) * TILES + step
         t = tile * W + j
         if DYNAMIC:
-            wt = tl.load(w_ptr + bh.to(tl.int64) * K * T + kk[:, None] * T + t[None, :],
-                         mask=(kk[:, None] < K) & (t[None, :] < T), other=0.0)
+            wt = tl.load(wbase + t[None, :] * WT, mask=(kk[:, None] < K) & (t[None, :] < T), other=0.0)
             bl, bm, br = _forward_bands(w_ptr, wt, h, K, P, d, True, LEFT, RIGHT, W, KP)
-        xm = tl.load(x_ptr + rows[:, None] + t[None, :], mask=in_g[:, None] & (t[None, :] < T), other=0.0)
+        xm = tl.load(x_ptr + rows[:, None] + t[None, :] * ST, mask=in_g[:, None] & (t[None, :] < T), other=0.0)
         acc = tl.dot(xm, bm.to(xm.dtype), input_precision=PREC)
         if LEFT:
-            xl = tl.load(x_ptr + rows[:, None] + (t - W)[None, :],
+            xl = tl.load(x_ptr + rows[:, None] + (t - W)[None, :] * ST,
                          mask=in_g[:, None] & (t[None, :] >= W) & (t[None, :] < T + W), other=0.0)
             acc = tl.dot(xl, bl.to(xm.dtype), acc, input_precision=PREC)
         if RIGHT:
-            xr = tl.load(x_ptr + rows[:, None] + (t + W)[None, :], mask=in_g[:, None] & (t[None, :] + W < T),
+            xr = tl.load(x_ptr + rows[:, None] + (t + W)[None, :] * ST, mask=in_g[:, None] & (t[None, :] + W < T),
                          other=0.0)
             acc = tl.dot(xr, br.to(xm.dtype), acc, input_precision=PREC)
-        tl.store(y_ptr + rows[:, None] + t[None, :], acc.to(y_ptr.dtype.element_ty),
+        tl.store(y_ptr + rows[:, None] + t[None, :] * ST, acc.to(y_ptr.dtype.element_ty),
                  mask=in_g[:, None] & (t[None, :] < T))
 
 
 @triton.jit
-def _load_window(ptr, rows, in_g, t, T):
+def _load_window(ptr, rows, in_g, t, T, ST):
     """The [BG, W] window of rows ``rows`` at steps ``t``, zero outside [0, T)."""
-    return tl.load(ptr + rows[:, None] + t[None, :], mask=in_g[:, None] & (t[None, :] >= 0) & (t[None, :] < T),
-                   other=0.0)
+    return tl.load(ptr + rows[:, None] + t[None, :] * ST,
+                   mask=in_g[:, None] & (t[None, :] >= 0) & (t[None, :] < T), other=0.0)
 
 
 @triton.jit
-def _load_taps(wbase, tap_ok, t, T):
+def _load_taps(wbase, tap_ok, t, T, WT):
     """The [KP, W] tile of per-step kernels at steps ``t`` (rows: taps), zero outside [0, T)."""
-    return tl.load(wbase + t[None, :], mask=tap_ok & (t[None, :] >= 0) & (t[None, :] < T), other=0.0)
+    return tl.load(wbase + t[None, :] * WT, mask=tap_ok & (t[None, :] >= 0) & (t[None, :] < T), other=0.0)
 
 
 @triton.jit
-def _win_forward_sliding(x_ptr, w_ptr, y_ptr, C, T, K, P, CPH, H, TILES,
+def _win_forward_sliding(x_ptr, w_ptr, y_ptr, C, T, K, P, CPH, H, TILES, SB, SC, ST, WB, WH, WK, WT,
                          DYNAMIC: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
                          BG: tl.constexpr, W: tl.constexpr, KP: tl.constexpr, PREC: tl.constexpr):
     """_win_forward with each window loaded once: it slides from 'after' to 'this' to 'before'
     through registers, and the window two tiles ahead is loaded a tile early."""
     bh = tl.program_id(0)
-    h, rows, in_g = _rows_of_head(bh, tl.program_id(1) * BG + tl.arange(0, BG), C, T, CPH, H)
+    h, rows, in_g = _rows_of_head(bh, tl.program_id(1) * BG + tl.arange(0, BG), CPH, H, SB, SC)
     j = tl.arange(0, W)
     d = tl.arange(0, W)[:, None] - j[None, :]
     kk = tl.arange(0, KP)
+    wbase = _kernel_base(w_ptr, bh, H, WB, WH) + kk[:, None] * WK
     if not DYNAMIC:
         bl, bm, br = _forward_bands(w_ptr, w_ptr, h, K, P, d, False, LEFT, RIGHT, W, KP)
     first = tl.program_id(2) * TILES * W + j
     if LEFT:
-        before = _load_window(x_ptr, rows, in_g, first - W, T)
-    this = _load_window(x_ptr, rows, in_g, first, T)
-    after = _load_window(x_ptr, rows, in_g, first + W, T)
+        before = _load_window(x_ptr, rows, in_g, first - W, T, ST)
+    this = _load_window(x_ptr, rows, in_g, first, T, ST)
+    after = _load_window(x_ptr, rows, in_g, first + W, T, ST)
     for step in range(TILES):
         t = first + step * W
-        ahead = _load_window(x_ptr, rows, in_g, t + 2 * W, T)
+        ahead = _load_window(x_ptr, rows, in_g, t + 2 * W, T, ST)
         if DYNAMIC:
-            wt = tl.load(w_ptr + bh.to(tl.int64) * K * T + kk[:, None] * T + t[None, :],
-                         mask=(kk[:, None] < K) & (t[None, :] < T), other=0.0)
+            wt = tl.load(wbase + t[None, :] * WT, mask=(kk[:, None] < K) & (t[None, :] < T), other=0.0)
             bl, bm, br = _forward_bands(w_ptr, wt, h, K, P, d, True, LEFT, RIGHT, W, KP)
         acc = tl.dot(this, bm.to(this.dtype), input_precision=PREC)
         if LEFT:
@@ -172,14 +179,14 @@ def _win_forward_sliding(x_ptr, w_ptr, y_ptr, C, T, K, P, CPH, H, TILES,
             before = this
         if RIGHT:
             acc = tl.dot(after, br.to(this.dtype), acc, input_precision=PREC)
-        tl.store(y_ptr + rows[:, None] + t[None, :], acc.to(y_ptr.dtype.element_ty),
+        tl.store(y_ptr + rows[:, None] + t[None, :] * ST, acc.to(y_ptr.dtype.element_ty),
                  mask=in_g[:, None] & (t[None, :] < T))
         this = after
         after = ahead
 
 
 @triton.jit
-def _win_backward(gy_ptr, x_ptr, w_ptr, gx_ptr, gw_ptr, C, T, K, P, CPH, H, TILES,
+def _win_backward(gy_ptr, x_ptr, w_ptr, gx_ptr, gw_ptr, C, T, K, P, CPH, H, TILES, SB, SC, ST, WB, WH, WK, WT,
                   DYNAMIC: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, NEED_GX: tl.constexpr,
                   NEED_GW: tl.constexpr, BG: tl.constexpr, W: tl.constexpr,
                   KP: tl.constexpr, PREC: tl.constexpr):
@@ -212,17 +219,17 @@ def _win_backward(gy_ptr, x_ptr, w_ptr, gx_ptr, gw_ptr, C, T, K, P, CPH, H, TILE
         t = tile * W + j
         t_ok = t < T
         if DYNAMIC:
-            wbase = w_ptr + bh.to(tl.int64) * K * T + kk[:, None] * T
+            wbase = _kernel_base(w_ptr, bh, H, WB, WH) + kk[:, None] * WK
             if NEED_GX:
                 # the band of the grad window at offset off reads the kernels of that window's steps
-                wm = tl.load(wbase + t[None, :], mask=tap_ok & t_ok[None, :], other=0.0)
+                wm = tl.load(wbase + t[None, :] * WT, mask=tap_ok & t_ok[None, :], other=0.0)
                 gbm = _band_from_tile(tl.trans(wm), -d + P, KP, False)
                 if RIGHT:
-                    wp = tl.load(wbase + (t - W)[None, :], mask=tap_ok & (t[None, :] >= W) & (t[None, :] < T + W),
-                                 other=0.0)
+                    wp = tl.load(wbase + (t - W)[None, :] * WT,
+                                 mask=tap_ok & (t[None, :] >= W) & (t[None, :] < T + W), other=0.0)
                     gbp = _band_from_tile(tl.trans(wp), W + P - d, KP, False)
                 if LEFT:
-                    wn = tl.load(wbase + (t + W)[None, :], mask=tap_ok & (t[None, :] + W < T), other=0.0)
+                    wn = tl.load(wbase + (t + W)[None, :] * WT, mask=tap_ok & (t[None, :] + W < T), other=0.0)
                     gbn = _band_from_tile(tl.trans(wn), P - W - d, KP, False)
             if NEED_GW:
                 cl = tl.zeros([W, W], dtype=tl.float32)
@@ -231,34 +238,34 @@ def _win_backward(gy_ptr, x_ptr, w_ptr, gx_ptr, gw_ptr, C, T, K, P, CPH, H, TILE
         for g0 in range(0, CPH, BG):
             g = g0 + tl.arange(0, BG)
             in_g = g < CPH
-            rows = (b * C + h * CPH + g).to(tl.int64) * T
-            gym = tl.load(gy_ptr + rows[:, None] + t[None, :], mask=in_g[:, None] & t_ok[None, :], other=0.0)
+            rows = b.to(tl.int64) * SB + (h * CPH + g).to(tl.int64) * SC
+            gym = tl.load(gy_ptr + rows[:, None] + t[None, :] * ST, mask=in_g[:, None] & t_ok[None, :], other=0.0)
             if NEED_GX:
                 acc = tl.dot(gym, gbm.to(gym.dtype), input_precision=PREC)
                 if RIGHT:
-                    gyp = tl.load(gy_ptr + rows[:, None] + (t - W)[None, :],
+                    gyp = tl.load(gy_ptr + rows[:, None] + (t - W)[None, :] * ST,
                                   mask=in_g[:, None] & (t[None, :] >= W) & (t[None, :] < T + W), other=0.0)
                     acc = tl.dot(gyp, gbp.to(gym.dtype), acc, input_precision=PREC)
                 if LEFT:
-                    gyn = tl.load(gy_ptr + rows[:, None] + (t + W)[None, :],
+                    gyn = tl.load(gy_ptr + rows[:, None] + (t + W)[None, :] * ST,
                                   mask=in_g[:, None] & (t[None, :] + W < T), other=0.0)
                     acc = tl.dot(gyn, gbn.to(gym.dtype), acc, input_precision=PREC)
-                tl.store(gx_ptr + rows[:, None] + t[None, :], acc.to(gx_ptr.dtype.element_ty),
+                tl.store(gx_ptr + rows[:, None] + t[None, :] * ST, acc.to(gx_ptr.dtype.element_ty),
                          mask=in_g[:, None] & t_ok[None, :])
             if NEED_GW:
-                xm = tl.load(x_ptr + rows[:, None] + t[None, :], mask=in_g[:, None] & t_ok[None, :], other=0.0)
+                xm = tl.load(x_ptr + rows[:, None] + t[None, :] * ST, mask=in_g[:, None] & t_ok[None, :], other=0.0)
                 cm = tl.dot(tl.trans(xm), gym.to(xm.dtype), cm, input_precision=PREC)
                 if LEFT:
-                    xl = tl.load(x_ptr + rows[:, None] + (t - W)[None, :],
+                    xl = tl.load(x_ptr + rows[:, None] + (t - W)[None, :] * ST,
                                  mask=in_g[:, None] & (t[None, :] >= W) & (t[None, :] < T + W), other=0.0)
                     cl = tl.dot(tl.trans(xl), gym.to(xm.dtype), cl, input_precision=PREC)
                 if RIGHT:
-                    xr = tl.load(x_ptr + rows[:, None] + (t + W)[None, :],
+                    xr = tl.load(x_ptr + rows[:, None] + (t + W)[None, :] * ST,
                                  mask=in_g[:, None] & (t[None, :] + W < T), other=0.0)
                     cr = tl.dot(tl.trans(xr), gym.to(xm.dtype), cr, input_precision=PREC)
         if DYNAMIC and NEED_GW:
             taps = _diagonals(cl, cm, cr, r, W, LEFT, RIGHT)
-            tl.store(gw_ptr + bh.to(tl.int64) * K * T + kk[:, None] * T + t[None, :],
+            tl.store(_kernel_base(gw_ptr, bh, H, WB, WH) + kk[:, None] * WK + t[None, :] * WT,
                      taps.to(gw_ptr.dtype.element_ty), mask=tap_ok & t_ok[None, :])
     if not DYNAMIC and NEED_GW:
         taps = _diagonals(cl, cm, cr, r, W, LEFT, RIGHT)
@@ -267,20 +274,20 @@ def _win_backward(gy_ptr, x_ptr, w_ptr, gx_ptr, gw_ptr, C, T, K, P, CPH, H, TILE
 
 
 @triton.jit
-def _win_backward_sliding(gy_ptr, x_ptr, w_ptr, gx_ptr, gw_ptr, C, T, K, P, CPH, H, TILES,
+def _win_backward_sliding(gy_ptr, x_ptr, w_ptr, gx_ptr, gw_ptr, C, T, K, P, CPH, H, TILES, SB, SC, ST, WB, WH, WK, WT,
                           DYNAMIC: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, NEED_GX: tl.constexpr,
                           NEED_GW: tl.constexpr, BG: tl.constexpr, W: tl.constexpr, KP: tl.constexpr,
                           PREC: tl.constexpr):
     """_win_backward for a head of at most BG channels, each window loaded once: grad_y's, x's
     and (DynamicConv) the kernels' windows slide through registers, loaded a tile early."""
     bh = tl.program_id(0)
-    h, rows, in_g = _rows_of_head(bh, tl.arange(0, BG), C, T, CPH, H)
+    h, rows, in_g = _rows_of_head(bh, tl.arange(0, BG), CPH, H, SB, SC)
     j = tl.arange(0, W)
     d = tl.arange(0, W)[:, None] - j[None, :]
     kk = tl.arange(0, KP)
     r = j[None, :] + kk[:, None] - P
     tap_ok = kk[:, None] < K
-    wbase = w_ptr + bh.to(tl.int64) * K * T + kk[:, None] * T
+    wbase = _kernel_base(w_ptr, bh, H, WB, WH) + kk[:, None] * WK
     if not DYNAMIC:
         if NEED_GX:
             gbp, gbm, gbn = _mirrored_head_bands(w_ptr, h, K, P, d, LEFT, RIGHT, W)
@@ -290,28 +297,28 @@ def _win_backward_sliding(gy_ptr, x_ptr, w_ptr, gx_ptr, gw_ptr, C, T, K, P, CPH,
             cr = tl.zeros([W, W], dtype=tl.float32)
     first = tl.program_id(1) * TILES * W + j
     if NEED_GX and RIGHT:
-        gy_before = _load_window(gy_ptr, rows, in_g, first - W, T)
-    gy_this = _load_window(gy_ptr, rows, in_g, first, T)
-    gy_after = _load_window(gy_ptr, rows, in_g, first + W, T)
+        gy_before = _load_window(gy_ptr, rows, in_g, first - W, T, ST)
+    gy_this = _load_window(gy_ptr, rows, in_g, first, T, ST)
+    gy_after = _load_window(gy_ptr, rows, in_g, first + W, T, ST)
     if NEED_GW:
         if LEFT:
-            x_before = _load_window(x_ptr, rows, in_g, first - W, T)
-        x_this = _load_window(x_ptr, rows, in_g, first, T)
-        x_after = _load_window(x_ptr, rows, in_g, first + W, T)
+            x_before = _load_window(x_ptr, rows, in_g, first - W, T, ST)
+        x_this = _load_window(x_ptr, rows, in_g, first, T, ST)
+        x_after = _load_window(x_ptr, rows, in_g, first + W, T, ST)
     if DYNAMIC and NEED_GX:
         if RIGHT:
-            w_before = _load_taps(wbase, tap_ok, first - W, T)
-        w_this = _load_taps(wbase, tap_ok, first, T)
-        w_after = _load_taps(wbase, tap_ok, first + W, T)
+            w_before = _load_taps(wbase, tap_ok, first - W, T, WT)
+        w_this = _load_taps(wbase, tap_ok, first, T, WT)
+        w_after = _load_taps(wbase, tap_ok, first + W, T, WT)
     for step in range(TILES):
         t = first + step * W
         t_ok = t < T
-        gy_ahead = _load_window(gy_ptr, rows, in_g, t + 2 * W, T)
+        gy_ahead = _load_window(gy_ptr, rows, in_g, t + 2 * W, T, ST)
         if NEED_GW:
-            x_ahead = _load_window(x_ptr, rows, in_g, t + 2 * W, T)
+            x_ahead = _load_window(x_ptr, rows, in_g, t + 2 * W, T, ST)
         if NEED_GX:
             if DYNAMIC:
-                w_ahead = _load_taps(wbase, tap_ok, t + 2 * W, T)
+                w_ahead = _load_taps(wbase, tap_ok, t + 2 * W, T, WT)
                 gbm = _band_from_tile(tl.trans(w_this), -d + P, KP, False)
                 if RIGHT:
                     gbp = _band_from_tile(tl.trans(w_before), W + P - d, KP, False)
@@ -322,7 +329,7 @@ def _win_backward_sliding(gy_ptr, x_ptr, w_ptr, gx_ptr, gw_ptr, C, T, K, P, CPH,
                 acc = tl.dot(gy_before, gbp.to(gy_this.dtype), acc, input_precision=PREC)
             if LEFT:
                 acc = tl.dot(gy_after, gbn.to(gy_this.dtype), acc, input_precision=PREC)
-            tl.store(gx_ptr + rows[:, None] + t[None, :], acc.to(gx_ptr.dtype.element_ty),
+            tl.store(gx_ptr + rows[:, None] + t[None, :] * ST, acc.to(gx_ptr.dtype.element_ty),
                      mask=in_g[:, None] & t_ok[None, :])
         if NEED_GW:
             if DYNAMIC:
@@ -336,7 +343,7 @@ def _win_backward_sliding(gy_ptr, x_ptr, w_ptr, gx_ptr, gw_ptr, C, T, K, P, CPH,
                 cr = tl.dot(tl.trans(x_after), gy_this.to(x_this.dtype), cr, input_precision=PREC)
             if DYNAMIC:
                 taps = _diagonals(cl, cm, cr, r, W, LEFT, RIGHT)
-                tl.store(gw_ptr + bh.to(tl.int64) * K * T + kk[:, None] * T + t[None, :],
+                tl.store(_kernel_base(gw_ptr, bh, H, WB, WH) + kk[:, None] * WK + t[None, :] * WT,
                          taps.to(gw_ptr.dtype.element_ty), mask=tap_ok & t_ok[None, :])
             if LEFT:
                 x_before = x_this
@@ -377,9 +384,19 @@ def _rows_of(corr, r, W: tl.constexpr):
 
 # ---- launchers ------------------------------------------------------------------------------
 
+MAX_REACH = 64
+
+
+def reach(kernel: int, padding_l: int) -> int:
+    """How far the kernel reaches on its longer side: max(P, K-1-P) steps."""
+    return max(padding_l, kernel - 1 - padding_l)
+
+
 def window_width(kernel: int, padding_l: int) -> int:
-    """The tile width: a power of two >= 16 that covers the kernel's reach on both sides."""
-    return max(16, triton.next_power_of_2(max(padding_l, kernel - 1 - padding_l, 1)))
+    """The tile width: a power of two >= 16 that covers the kernel's reach on both sides.
+    At most 64 (reach <= MAX_REACH): a 128-step tile asks for more shared memory than
+    Hopper has per block (256-330 KB in fp32), so longer reaches take the tap loop."""
+    return max(16, triton.next_power_of_2(max(reach(kernel, padding_l), 1)))
 
 
 def tap_rows(kernel: int, width: int) -> int:
@@ -446,9 +463,20 @@ def _tiles_per_program(n_tiles: int, other_programs: int, device, target_waves: 
     return max(1, triton.cdiv(n_tiles, want))
 
 
+def dense(t):
+    """``t`` if ``torch.empty_like`` keeps its strides (so outputs can share them), else a copy."""
+    return t if t.stride() == torch.empty_like(t, device="meta").stride() else t.contiguous()
+
+
+def _weight_strides(w, dynamic):
+    return tuple(w.stride()) if dynamic else (0, 0, 0, 0)
+
+
 def window_forward(x, w, padding_l, dynamic, tiles=None, num_warps=4, width=None, num_stages=None, sliding=None):
-    """y for x (B, C, T) and a kernel (H, K) or per-step kernels (B, H, K, T); launch settings
-    default to ``launch_config``'s."""
+    """y for x (B, C, T) and a kernel (H, K) or per-step kernels (B, H, K, T), any strides
+    (y takes x's); launch settings default to ``launch_config``'s."""
+    x = dense(x)
+    w = dense(w) if dynamic else w.contiguous()
     batch, channels, time = x.shape
     heads, kernel = (w.shape[1], w.shape[2]) if dynamic else w.shape
     cph = channels // heads
@@ -463,7 +491,7 @@ def window_forward(x, w, padding_l, dynamic, tiles=None, num_warps=4, width=None
     y = torch.empty_like(x)
     grid = (batch * heads, groups, triton.cdiv(n_tiles, tiles))
     (_win_forward_sliding if sliding else _win_forward)[grid](
-        x, w, y, channels, time, kernel, padding_l, cph, heads, tiles,
+        x, w, y, channels, time, kernel, padding_l, cph, heads, tiles, *x.stride(), *_weight_strides(w, dynamic),
         DYNAMIC=dynamic, LEFT=padding_l > 0, RIGHT=kernel - 1 - padding_l > 0, BG=bg, W=width,
         KP=tap_rows(kernel, width), PREC=_precision(x.dtype), num_warps=num_warps, num_stages=num_stages)
     return y
@@ -472,8 +500,19 @@ def window_forward(x, w, padding_l, dynamic, tiles=None, num_warps=4, width=None
 def window_backward(grad, x, w, padding_l, heads, kernel, dynamic, need_input=True, need_weight=True, tiles=None,
                     num_warps=4, width=None, num_stages=None, sliding=None):
     """(grad_x or None, grad_w or None) in one pass over grad and x; x may be None without
-    need_weight, and w None without need_input. Sliding windows serve heads of at most 64
-    channels; by default only the fused call (both gradients) slides, as measured."""
+    need_weight, and w None without need_input. Any strides: grad is read in x's layout
+    (copied if it differs), grad_x takes that layout and DynamicConv's grad_w w's (contiguous
+    without w). Sliding windows serve heads of at most 64 channels; by default only the
+    fused call (both gradients) slides, as measured."""
+    grad = dense(grad)
+    if need_weight:
+        x = dense(x)
+        if grad.stride() != x.stride():
+            grad = torch.empty_like(x).copy_(grad)
+    if need_input and dynamic:
+        w = dense(w)
+    elif need_input:
+        w = w.contiguous()
     batch, channels, time = grad.shape
     cph = channels // heads
     best_width, best_stages, best_sliding = launch_config(
@@ -489,15 +528,18 @@ def window_backward(grad, x, w, padding_l, heads, kernel, dynamic, need_input=Tr
     if not need_weight:
         gw = grad
     elif dynamic:
-        gw = torch.empty(batch, heads, kernel, time, device=grad.device, dtype=x.dtype)
+        gw = torch.empty_like(w) if need_input else torch.empty(batch, heads, kernel, time, device=grad.device,
+                                                                 dtype=x.dtype)
     else:
         gw = torch.empty(batch, heads, n_parts, kp, device=grad.device, dtype=torch.float32)
+    # DynamicConv's kernels and kernel gradient share one stride set (the gradient's without w)
+    wstrides = _weight_strides(gw if need_weight and dynamic else w, dynamic) if dynamic else (0, 0, 0, 0)
     bg = _group_block(cph)
     kernel_fn = _win_backward_sliding if sliding and fits_one_block(cph) else _win_backward
     kernel_fn[(batch * heads, n_parts)](
         grad, x if need_weight else grad, w if need_input else grad, gx, gw, channels, time, kernel, padding_l,
-        cph, heads, tiles, DYNAMIC=dynamic, LEFT=padding_l > 0, RIGHT=kernel - 1 - padding_l > 0,
-        NEED_GX=need_input, NEED_GW=need_weight, BG=bg, W=width, KP=kp,
+        cph, heads, tiles, *grad.stride(), *wstrides, DYNAMIC=dynamic, LEFT=padding_l > 0,
+        RIGHT=kernel - 1 - padding_l > 0, NEED_GX=need_input, NEED_GW=need_weight, BG=bg, W=width, KP=kp,
         PREC=_precision(grad.dtype), num_warps=num_warps, num_stages=num_stages)
     if need_weight and not dynamic:
         gw = gw.sum(dim=(0, 2))[:, :kernel].to(x.dtype)
