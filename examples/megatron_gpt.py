@@ -105,7 +105,8 @@ def main():
 
         def loss_func(per_token_loss):
             loss = per_token_loss.float().mean()
-            return loss, {"lm loss": loss.detach()}
+            # a copy, as Megatron-LM's own loss_func: the schedule divides the loss in place
+            return loss, {"lm loss": loss.detach().clone()}
         return output, loss_func
 
     data = counting_batches(args, parallel_state.get_data_parallel_rank())
@@ -120,7 +121,7 @@ def main():
                                   micro_batch_size=args.micro_batch_size)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        # the loss stages may be on any pipeline rank (rank 0 for zbv, ranks 0 and D-1 for chimera)
+        # as under Megatron's own schedules, the dicts come back on the last pipeline rank, [] elsewhere
         mean = torch.tensor([sum(float(d["lm loss"]) for d in losses) / len(losses) if losses else -1.0], device=device)
         dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=parallel_state.get_pipeline_model_parallel_group())
         if rank == 0:

@@ -30,6 +30,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/chimera.json")
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--micro-batch-size", type=int, default=2, help="samples per micro-batch")
+    parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per pipeline step")
     parser.add_argument("--layers", type=int, default=6, help="DynamicConv layers")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--out", default="demo_out")
@@ -40,6 +42,13 @@ def main():
     rank = torch.distributed.get_rank()
     with open(args.config) as fh:
         config = json.load(fh)
+    # the shipped configs leave the batch to "auto" (the HF Trainer fills it); a DeepSpeed script sets it
+    for key, value in (("train_micro_batch_size_per_gpu", args.micro_batch_size),
+                       ("gradient_accumulation_steps", args.micro_batches)):
+        if config.get(key, "auto") == "auto":
+            config[key] = value
+    if config.get("train_batch_size") == "auto":
+        del config["train_batch_size"]
     trace_dir = os.path.join(args.out, "trace")
     config.setdefault("pipeline", {})["trace_dir"] = trace_dir
     stages = int(os.environ.get("WORLD_SIZE", "1"))

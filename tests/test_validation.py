@@ -57,3 +57,57 @@ def test_placement_rejects_ranks_out_of_range():
         Placement(2, 2, [[0, 5]], [0])
     with pytest.raises(ValueError, match="replica 0 places 1 stages, expected 2"):
         Placement(2, 2, [[0]], [0])
+
+
+# ---- the DeepSpeed "pipeline" section: checked whole, on every rank, before any work -------------------
+def _plan(section, **config):
+    from ds_chimera.runtime.plan import make_plan
+    config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "pipeline": section, **config}
+    return make_plan(config, 4, 1, 16, lambda stages, method: [4 * i for i in range(stages + 1)])
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"Schedule": "chimera"}, "unknown key 'Schedule'. Did you mean 'schedule'?"),
+    ({"scheduler": "chimera"}, "unknown key 'scheduler'. Did you mean 'schedule'?"),
+    ({"schedule": "chimera", "pipeline": 2}, "unknown key 'pipeline'. Did you mean 'pipelines'?"),
+    ({"schedule": "1f1b", "chunk": 2}, "(schedule '1f1b'): unknown key 'chunk'."),
+    ({"timeout": 10}, "has 'timeout' but no \"schedule\": name one of 1f1b,"),
+    ({"schedule": "chimera", "costs": "cheap"}, "chimera: costs must be a mapping such as {\"fwd\": 1"),
+    ({"schedule": "chimera", "costs": {"fwd": 1, "backward": 2}}, "unknown key 'backward'."),
+    ({"schedule": "chimera", "timeout": float("nan")}, "timeout must be a finite number of seconds > 0, got nan"),
+    ({"schedule": "chimera", "timeout": float("inf")}, "timeout must be a finite number of seconds > 0, got inf"),
+    ({"schedule": "chimera", "timeout": True}, "timeout must be a finite number of seconds > 0, got True"),
+    ({"schedule": "chimera", "program": "x.program"}, 'takes "schedule" (a name) or "program"'),
+    ("chimera", 'must be a JSON object such as {"schedule": "chimera"}, got \'chimera\''),
+])
+def test_the_pipeline_section_is_checked_whole(section, message):
+    with pytest.raises(ValueError) as err:
+        _plan(section)
+    assert message in str(err.value)
+
+
+def test_only_deepspeeds_own_pipeline_keys_leave_the_stock_engine_alone():
+    from ds_chimera.runtime.plan import wants_schedule
+    assert not wants_schedule(None) and not wants_schedule({"stages": 4, "partition": "uniform"})
+    assert wants_schedule({"stages": 4, "Schedule": "chimera"})       # ours, so checked (and refused)
+    with pytest.raises(ValueError, match='"pipeline" must be a JSON object'):
+        wants_schedule(["chimera"])
+
+
+def test_an_unwritable_trace_dir_fails_at_initialize(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match=r"trace_dir '.*file/trace' cannot be created or written"):
+        _plan({"schedule": "1f1b", "trace_dir": str(blocker / "trace")})
+    assert _plan({"schedule": "1f1b", "trace_dir": str(tmp_path / "t")}).trace_dir == str(tmp_path / "t")
+    assert (tmp_path / "t").is_dir()
+
+
+def test_auto_batch_keys_are_the_hf_trainers_to_fill():
+    from ds_chimera.runtime.plan import without_auto_batch_keys
+    assert without_auto_batch_keys({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
+                                    "gradient_accumulation_steps": 8}) == {"train_micro_batch_size_per_gpu": 2,
+                                                                           "gradient_accumulation_steps": 8}
+    with pytest.raises(ValueError, match='leaves every batch size to "auto".*"gradient_accumulation_steps": 8'):
+        without_auto_batch_keys({k: "auto" for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                                     "gradient_accumulation_steps")})

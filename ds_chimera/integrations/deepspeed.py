@@ -77,8 +77,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         return _initialize_wavelet(original, call, args, model, loaded)
     if not _wants_schedule(model, loaded):
         return original(**call)
-    from ..runtime.setup import prepare_module
     from ..runtime.engine import ScheduledPipelineEngine
+    from ..runtime.plan import without_auto_batch_keys
+    from ..runtime.setup import prepare_module
+    loaded = without_auto_batch_keys(loaded)
     model_parameters = prepare_module(model, loaded, model_parameters)
     rebound = _rebind_optimizer(optimizer, model)
     if rebound is not optimizer and lr_scheduler is not None and not callable(lr_scheduler):

@@ -10,8 +10,10 @@ rank's lowered program; only the chunk call and the loss follow Megatron's conve
 - on a loss stage ``loss_func(output)`` returns ``(loss, reduced)`` (loss divided by the
   number of micro-batches) or ``(loss, num_tokens, reduced)`` (divided by the tokens too,
   unless ``config.calculate_per_token_loss``), exactly as Megatron does;
-- the function returns the ``reduced`` dicts in micro-batch order on every rank that holds
-  a loss stage (Chimera has two), and ``[]`` elsewhere;
+- the function returns the ``reduced`` dicts in micro-batch order on the last pipeline rank
+  and ``[]`` elsewhere, as Megatron's schedules do, wherever the schedule computes the loss
+  (Chimera on two ranks, zbv on rank 0); the loss is divided in place, as Megatron does, so
+  a dict holding a view of it reports what Megatron's own schedule would;
 - after the backward it calls ``config.finalize_model_grads_func`` as Megatron does. The
   gradient sync a schedule adds (Chimera's replicas) is done here, in the bubbles.
 
@@ -191,15 +193,19 @@ class MegatronHost:
             self.reduced[mb] = loss_func(output, non_loss_data=True)
             return output
         outputs = loss_func(output)
+        # in place, as Megatron's forward_step_calc_loss: a reduced dict holding a view of the loss
+        # (loss.detach()) then reports what Megatron's own schedule reports
         if len(outputs) == 3:
             loss, num_tokens, reduced = outputs
             if getattr(self.config, "calculate_per_token_loss", False):
                 self.num_tokens += torch.as_tensor(num_tokens).detach().cpu().to(torch.int64)
             else:
-                loss = loss / torch.clamp(torch.as_tensor(num_tokens, device=loss.device), min=1) / self.num_microbatches
+                loss /= torch.clamp(torch.as_tensor(num_tokens, device=loss.device), min=1)
+                loss /= self.num_microbatches
         elif len(outputs) == 2:
             loss, reduced = outputs
-            loss = loss * self.cp_size / self.num_microbatches
+            loss *= self.cp_size
+            loss /= self.num_microbatches
         else:
             raise ValueError(f"loss_func must return (loss, reduced) or (loss, num_tokens, reduced); "
                              f"got {len(outputs)} values")
@@ -329,6 +335,23 @@ def _settle_blocks(chunk, capture: list, nodes: list, output) -> None:
     rest = [p for p in chunk.parameters() if p.requires_grad and id(p) not in owned_ids]
     if rest:
         capture.append((None, rest))
+
+
+def _megatron_layout(chunk, num_stages: int):
+    """(stage, description) of a Megatron chunk from its layers' global numbers, or None if unknown."""
+    config = getattr(chunk, "config", None)
+    total = getattr(config, "num_layers", None)
+    numbers = sorted({m.layer_number for m in chunk.modules()
+                      if type(m).__name__.endswith("TransformerLayer") and isinstance(getattr(m, "layer_number", None), int)})
+    if not numbers or not total or total % num_stages:
+        return None
+    per_stage = total // num_stages
+    parts = [f"decoder layers {numbers[0]}-{numbers[-1]}"]
+    if getattr(chunk, "pre_process", False):
+        parts.insert(0, "the embedding")
+    if getattr(chunk, "post_process", False):
+        parts.append("the output layer")
+    return (numbers[0] - 1) // per_stage, ", ".join(parts)
 
 
 def _check_split_backward(schedule, config, rank: int) -> None:
@@ -469,72 +492,106 @@ class ScheduleRunner:
             return list(data_iterator)
         return [data_iterator] * count
 
+    def _build_hint(self) -> str:
+        options = "".join(f", {k}={v!r}" for k, v in self.options.items())
+        return f"ds_chimera.megatron.build_model_chunks(model_provider, {self.name!r}{options})"
+
     def _check_chunks(self, chunks, local, placement) -> None:
+        """Each chunk must hold the stage the schedule puts there, before the first forward.
+
+        Chunks built by ``build_model_chunks`` carry their stage; chunks Megatron built itself
+        (its virtual-pipeline layout: stage v*D + r on rank r) are read from their layers'
+        global numbers, embedding and output layer.
+        """
         stages = [placement.chunks[c].stage for c in local]
         if len(chunks) != len(local):
             raise ValueError(f"schedule {self.name!r} puts {len(local)} chunk(s) on pipeline rank {self.rank} "
                              f"(stages {stages}), but model has {len(chunks)}; build them with "
-                             f"ds_chimera.megatron.build_model_chunks(model_provider, {self.name!r}, ...)")
+                             f"{self._build_hint()}")
         if placement.num_stages > 1 and any(getattr(_unwrap(c), "share_embeddings_and_output_weights", False)
                                             for c in chunks):
             raise ValueError("model chunks share the embedding and output weights (share_embeddings_and_output_weights"
                              "=True): ds_chimera's Megatron adapter does not sync a weight tied across stages yet; "
                              "build the model with untied embeddings")
-        for chunk, stage in zip(chunks, stages):
+        for i, (chunk, stage) in enumerate(zip(chunks, stages)):
             tagged = getattr(chunk, "_ds_chimera_stage", getattr(_unwrap(chunk), "_ds_chimera_stage", None))
-            if tagged is not None and tagged != stage:
-                raise ValueError(f"model chunk built for stage {tagged} is where schedule {self.name!r} expects "
-                                 f"stage {stage} (pipeline rank {self.rank} holds stages {stages}); build the "
-                                 f"chunks for this schedule")
+            if tagged is not None:
+                if tagged != stage:
+                    name, options = getattr(chunk, "_ds_chimera_built_for", (None, {}))
+                    built = f" (built for {name!r} with {options or 'no options'})" if name else ""
+                    raise ValueError(f"model chunk {i} holds stage {tagged}{built}, but schedule {self.name!r} "
+                                     f"with {self.options or 'no options'} puts stage {stage} there (pipeline rank "
+                                     f"{self.rank} holds stages {stages}); build the chunks with the function's "
+                                     f"schedule and options: {self._build_hint()}")
+                continue
+            found = _megatron_layout(_unwrap(chunk), placement.num_stages)
+            if found is not None and found[0] != stage:
+                held, what = found
+                raise ValueError(f"model chunk {i} on pipeline rank {self.rank} holds {what}: stage {held} of "
+                                 f"{placement.num_stages} (as Megatron's own virtual-pipeline layout puts stage "
+                                 f"v*D + r on rank r), but schedule {self.name!r} puts stage {stage} there (this rank "
+                                 f"holds stages {stages}); build the chunks with {self._build_hint()}")
 
     def _start_loss_exchange(self, step, placement, group, device):
-        """Post the swap of per-micro-batch results between the loss ranks; return a function that
-        finishes it and gives them in order (on every rank that holds a loss stage, else []).
+        """Post the hand-over of per-micro-batch results to the last pipeline rank; return a function that
+        finishes it and gives them in order there (``[]`` on every other rank), as Megatron's schedules do.
 
-        Chimera computes losses on two ranks (2f with f pipelines each way). Only those ranks
-        need each other's results, so they swap them directly: sizes now, overlapping the
-        gradient syncs, then the pickled results. It replaces an object all-gather that held
-        every rank after the step. In each pair the lower rank sends first and the higher
-        receives first, so stream-ordered (NCCL) sends and receives cannot wait on each other.
+        Megatron's training loop reads the results on its last pipeline stage. A schedule may compute
+        losses elsewhere (Chimera on two ranks, zbv's last stage on rank 0), so the loss ranks send
+        theirs to rank D-1: sizes now (overlapping Megatron's gradient finalisation), then the
+        pickled results. Tensors that arrive are detached: they cannot carry a graph across ranks.
         """
         loss_ranks = sorted({placement.rank_of(c.index) for c in placement.chunks
                              if placement.next_chunk(c.index) is None})
-        if self.rank not in loss_ranks:
+        last = placement.num_ranks - 1
+        senders = [r for r in loss_ranks if r != last]
+        local = lambda: [step.reduced[mb] for mb in sorted(step.reduced)]      # noqa: E731
+        if self.rank != last and self.rank not in senders:
             return list
-        if len(loss_ranks) == 1:
-            return lambda: [step.reduced[mb] for mb in sorted(step.reduced)]
+        if not senders:
+            return local
         # CPU copies travel: pickled device tensors would be rebuilt on the sender's device index
         on = device if dist.get_backend(group) != "gloo" else torch.device("cpu")
-        payload = torch.frombuffer(bytearray(pickle.dumps(to_device(step.reduced, torch.device("cpu")))),
-                                   dtype=torch.uint8).to(on)
-        size = torch.tensor([payload.numel()], dtype=torch.int64, device=on)
-        peers = {r: (r if group is None or group is dist.group.WORLD else dist.get_global_rank(group, r))
-                 for r in loss_ranks if r != self.rank}
+        peer = (lambda r: r) if group is None or group is dist.group.WORLD else \
+            (lambda r: dist.get_global_rank(group, r))
+        what = "the loss results for the last pipeline rank"
+        if self.rank != last:
+            payload = torch.frombuffer(bytearray(pickle.dumps(to_device(_detached(step.reduced), torch.device("cpu")))),
+                                       dtype=torch.uint8).to(on)
+            size = torch.tensor([payload.numel()], dtype=torch.int64, device=on)
+            works = [post_or_fail(lambda: dist.isend(size, peer(last), group=group, tag=LOSS_TAG), what),
+                     post_or_fail(lambda: dist.isend(payload, peer(last), group=group, tag=LOSS_TAG + 1), what)]
 
-        def swap(out, inbox: dict, tag: int) -> list:
-            """Post, for every peer, the send of ``out`` and the receive into ``inbox[peer]``."""
-            works = []
-            for r, peer in peers.items():
-                send = lambda: dist.isend(out, peer, group=group, tag=tag)           # noqa: E731
-                recv = lambda: dist.irecv(inbox[r], peer, group=group, tag=tag)      # noqa: E731
-                for post in ((send, recv) if self.rank < r else (recv, send)):
-                    works.append(post_or_fail(post, f"the loss results' swap with pipeline rank {r}"))
-            return works
-
-        sizes = {r: torch.zeros(1, dtype=torch.int64, device=on) for r in peers}
-        size_works = swap(size, sizes, LOSS_TAG)
+            def sent() -> list:
+                for work in works:
+                    wait_or_fail(work, self.timeout_s, what)
+                return []
+            return sent
+        sizes = {r: torch.zeros(1, dtype=torch.int64, device=on) for r in senders}
+        size_works = {r: post_or_fail(lambda r=r: dist.irecv(sizes[r], peer(r), group=group, tag=LOSS_TAG),
+                                      f"the size of rank {r}'s loss results") for r in senders}
 
         def finish() -> list:
-            for work in size_works:
-                wait_or_fail(work, self.timeout_s, "the loss results' sizes from the other loss ranks")
-            data = {r: torch.empty(int(sizes[r].item()), dtype=torch.uint8, device=on) for r in peers}
-            for work in swap(payload, data, LOSS_TAG + 1):
-                wait_or_fail(work, self.timeout_s, "the loss results of the other loss ranks")
             merged = dict(step.reduced)
-            for r in peers:
-                merged.update(pickle.loads(data[r].cpu().numpy().tobytes()))
+            for r in senders:
+                wait_or_fail(size_works[r], self.timeout_s, f"the size of pipeline rank {r}'s loss results")
+                data = torch.empty(int(sizes[r].item()), dtype=torch.uint8, device=on)
+                wait_or_fail(lambda: dist.irecv(data, peer(r), group=group, tag=LOSS_TAG + 1), self.timeout_s,
+                             f"the loss results of pipeline rank {r}")
+                merged.update(pickle.loads(data.cpu().numpy().tobytes()))
             return [to_device(merged[mb], device) for mb in sorted(merged)]
         return finish
+
+
+def _detached(x):
+    """``x`` with its tensors detached (inside dicts, lists and tuples too)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, dict):
+        return {k: _detached(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_detached(v) for v in x)
+    return x
 
 
 def get_forward_backward_func(schedule: str = "1f1b", *, timeout: float = DEFAULT_TIMEOUT_S, **options):

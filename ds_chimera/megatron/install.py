@@ -109,6 +109,7 @@ def install(schedule: str | None = None, argv: list | None = None, **options):
     replaced = [f for f in (original, _STATE.get("installed")) if f is not None]   # Megatron's, or our last one
     _STATE["original"] = original
     _STATE["installed"] = ds_chimera_get_forward_backward_func
+    _STATE["choice"] = (schedule, dict(options))
     for module in list(sys.modules.values()):        # e.g. megatron.training.training imported it by name
         if any(_bound(module) is f for f in replaced):
             setattr(module, "get_forward_backward_func", ds_chimera_get_forward_backward_func)
@@ -125,6 +126,15 @@ def uninstall() -> None:
         if _STATE.get("installed") is not None and _bound(module) is _STATE["installed"]:
             setattr(module, "get_forward_backward_func", _STATE["original"])
     _STATE.pop("installed", None)
+    _STATE.pop("choice", None)
+
+
+def installed_choice():
+    """(schedule, options) of the installed routing (install(), --pipeline-schedule), or (None, {})."""
+    if "choice" in _STATE:
+        return _STATE["choice"]
+    name = os.environ.get(ENV_SCHEDULE) or None
+    return name, (_parse_options(os.environ.get(ENV_OPTIONS)) if name else {})
 
 
 def install_when_imported() -> None:

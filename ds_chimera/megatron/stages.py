@@ -104,14 +104,39 @@ def _call_provider(model_provider, pre_process: bool, post_process: bool, vp_sta
     return model_provider(**kwargs)
 
 
-def build_model_chunks(model_provider, schedule: str = "1f1b", *, micro_batches: int | None = None,
+def chosen_options(schedule: str | None, options: dict) -> tuple:
+    """The schedule and options to build for: the ones given, else the installed routing's
+    (``install()``, ``--pipeline-schedule[-options]``), else 1f1b; a looped schedule's ``chunks``
+    defaults to Megatron's virtual-pipeline size, as the installed routing does."""
+    from .install import installed_choice
+    installed, installed_options = installed_choice()
+    if schedule is None:
+        schedule = installed or "1f1b"
+    if schedule == installed:        # the routing's own keys (timeout) are not the schedule's options
+        own = registry.get(schedule).options
+        options = {**{k: v for k, v in installed_options.items() if k in own}, **options}
+    if "chunks" in registry.get(schedule).options and "chunks" not in options:
+        try:
+            from megatron.core import parallel_state
+            virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        except Exception:      # Megatron not initialised: the schedule's default
+            virtual = None
+        if virtual and virtual > 1:
+            options = {**options, "chunks": virtual}
+    return schedule, options
+
+
+def build_model_chunks(model_provider, schedule: str | None = None, *, micro_batches: int | None = None,
                        seed: int = DEFAULT_SEED, **options) -> list:
     """This rank's model chunks for ``schedule``, in the order the forward-backward function expects.
 
-    ``micro_batches`` only matters to schedules whose placement depends on it (none built in);
-    ``options`` are the schedule's (``chunks``, ``pipelines``...). Each chunk is built under
-    ``torch.manual_seed(seed + stage)`` and tagged with its stage.
+    ``schedule`` and ``options`` default to the installed routing's (see :func:`chosen_options`),
+    so a Megatron launch with ``--pipeline-schedule NAME`` builds what it will run.
+    ``micro_batches`` only matters to schedules whose placement depends on it (none built in).
+    Each chunk is built under ``torch.manual_seed(seed + stage)`` and tagged with its stage and
+    what it was built for.
     """
+    schedule, options = chosen_options(schedule, options)
     group = pipeline_group()
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     sched = make_schedule(schedule, size, micro_batches or 4 * size, options)
@@ -126,6 +151,7 @@ def build_model_chunks(model_provider, schedule: str = "1f1b", *, micro_batches:
             torch.manual_seed(seed + stage)
             chunk = _call_provider(model_provider, stage == 0, stage == total - 1, vp_stage)
         chunk._ds_chimera_stage = stage
+        chunk._ds_chimera_built_for = (schedule, dict(options))
         chunks.append(chunk)
     _broadcast_replicas(chunks, placement, rank, group)
     return chunks

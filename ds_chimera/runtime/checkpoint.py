@@ -84,17 +84,56 @@ def read_latest(load_dir: str):
 
 
 def check_layout(engine, load_dir: str, tag) -> None:
-    """Refuse optimizer state saved under another layout (it would be misread)."""
+    """Refuse optimizer state saved under another layout (it would be misread).
+
+    A checkpoint of DeepSpeed's stock engine has no layout file; its optimizer state is
+    taken where it maps parameter for parameter (:func:`stock_compatible`).
+    """
     path = os.path.join(load_dir, str(tag), LAYOUT_FILE) if tag is not None else ""
     saved = None
     if path and os.path.exists(path):
         with open(path) as fh:
             saved = json.load(fh)
-    if saved != layout(engine):
-        raise ValueError(f"checkpoint {load_dir}/{tag} was written under {saved or 'another engine'}, "
-                         f"this engine is {layout(engine)}: its optimizer state does not map onto these "
-                         f"chunks. Load the weights only: load_checkpoint(..., load_optimizer_states=False, "
-                         f"load_lr_scheduler_states=False)")
+    if saved == layout(engine) or (saved is None and stock_compatible(engine, load_dir, tag)):
+        return
+    writer = saved or "DeepSpeed's stock engine (no layout file), with another cut or parameter order"
+    raise ValueError(f"checkpoint {load_dir}/{tag} was written under {writer}; this engine is "
+                     f"{layout(engine)}: its optimizer state does not map onto these chunks. Load the weights "
+                     f"only: load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False)")
+
+
+def stock_compatible(engine, load_dir: str, tag) -> bool:
+    """True if a stock DeepSpeed checkpoint's optimizer state maps onto this engine's, parameter for parameter.
+
+    That is so when this schedule places stage r alone on rank r (gpipe, 1f1b, zb-h1) with
+    DeepSpeed's own cut of this PipelineModule, no tied layers, the same data parallelism,
+    and the saved state's parameter groups have this optimizer's sizes and shapes.
+    """
+    import torch
+    placement = engine.placement
+    if placement.stage_ranks != [list(range(placement.num_ranks))] or engine.host.tied_modules:
+        return False
+    if list(engine.plan.parts) != list(engine.module.parts) or engine.zero_optimization_stage() or \
+            engine.using_bf16_optimizer:
+        return False
+    path = engine._get_ckpt_name(load_dir, tag)
+    if not os.path.exists(path):
+        return False
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    saved = state.get("optimizer") or {}
+    if state.get("dp_world_size") != engine.dp_size or state.get("mp_world_size") != engine.num_stages or \
+            "param_groups" not in saved:
+        return False
+    ours = engine.optimizer.param_groups
+    if [len(g["params"]) for g in saved["param_groups"]] != [len(g["params"]) for g in ours]:
+        return False
+    shapes = [p.shape for g in ours for p in g["params"]]
+    index = [i for g in saved["param_groups"] for i in g["params"]]
+    for position, i in enumerate(index):
+        for value in saved.get("state", {}).get(i, {}).values():
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape != shapes[position]:
+                return False
+    return True
 
 
 def stage_dir(save_dir: str, tag: str) -> str:

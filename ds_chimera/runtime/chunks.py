@@ -1,14 +1,20 @@
-"""Build the model chunks a placement asks for from a PipelineModule's layer specs.
+"""Build the model chunks a placement asks for from a PipelineModule's layers.
 
 DeepSpeed builds one stage per rank. A schedule may need other cuts (D*V stages for
 looped schedules, 2D for V-shapes) and several chunks per rank (two replicas' stages for
-Chimera), so the chunks are rebuilt here from ``module._layer_specs``. Every layer is
-built under a fork of the RNG seeded with ``base_seed + global layer index``: replicas of
-a stage start identical on every rank, and the initial model does not depend on the
-schedule, the number of ranks or the placement.
+Chimera), so the chunks are rebuilt here from ``module._layer_specs``:
+
+- a ``LayerSpec`` is built under a fork of the RNG seeded with ``base_seed + global layer
+  index``: replicas of a stage start identical on every rank, and the initial model does
+  not depend on the schedule, the number of ranks or the placement;
+- an ``nn.Module`` instance (as DeepSpeedExamples and many scripts write: every rank
+  constructs every layer) is taken as it is, so the weights are the script's own, as
+  under stock DeepSpeed; a layer this rank needs twice gets a deep copy;
+- a plain function (``lambda x: x.flatten(1)``) is called as it is.
 """
 from __future__ import annotations
 
+import copy
 from functools import partial
 
 import torch
@@ -113,6 +119,7 @@ def build_chunks(module: PipelineModule, placement, rank: int, parts: list, devi
             first_use.setdefault(spec.key, idx)
     tied: dict = {}
     chunks = []
+    used: set = set()          # module instances already placed on this rank
     for index in placement.chunks_on(rank):
         stage = placement.chunks[index].stage
         start, stop = parts[stage], parts[stage + 1]
@@ -135,8 +142,10 @@ def build_chunks(module: PipelineModule, placement, rank: int, parts: list, devi
                     layers.append(built)
                     funcs.append(built)
                 elif isinstance(spec, nn.Module):
-                    raise ValueError(f"layer {idx} is an nn.Module instance; ds_chimera needs LayerSpec(...) "
-                                     f"so it can build the layer on the ranks the schedule places it on")
+                    layer = copy.deepcopy(spec) if id(spec) in used else spec
+                    used.add(id(spec))
+                    layers.append(layer)
+                    funcs.append(layer)
                 else:
                     layers.append(spec)
                     funcs.append(spec)

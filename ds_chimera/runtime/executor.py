@@ -159,8 +159,10 @@ class StepRun:
                 src = as_tuple(self.outputs[(prev, mb)] if train else self.outputs.pop((prev, mb)))
             else:
                 src = self.received.pop((ACT, prev, c, mb))
-            self.inputs[(c, mb)] = as_leaves(src, train)
-            x = pack(self.inputs[(c, mb)])
+            leaves = self.inputs[(c, mb)] = as_leaves(src, train)
+            # the chunk computes on copies, as DeepSpeed's engine does: a first layer that works in
+            # place (ReLU(inplace=True)) may not write into a leaf; the leaves collect the input grads
+            x = pack([t.clone() if t.requires_grad else t for t in leaves])
         capture = [] if train and c in ctx.split_chunks else None
         with torch.set_grad_enabled(train):
             out = ctx.forward(c, mb, x, capture, train)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.actions import split_chunks
-from .clipping import clip_by_norm
+from .clipping import grad_norm, scale_to
 from .gradsync import FlatGradAllReduce
 from .groups import PipelineGroups
 from .p2p import P2P, wait_or_fail
@@ -149,18 +149,20 @@ class PipelineHost:
     def global_grad_norm(self) -> float:
         owned = self.owned_params()
         grads = self.grads(owned) if self.hp_grads else [p.grad for p in owned]
-        from .clipping import grad_norm
         return grad_norm(grads, self._sum_over_pipeline, self.device)
 
     def clip_gradients(self, scope, stage: int) -> None:
-        """The global norm over unique parameters (a collective of the pipeline); ZeRO-1 clips itself."""
-        if self.max_norm <= 0 or self.zero1:
+        """The global norm over unique parameters (a collective of the pipeline), every step: it is
+        reported (``get_global_grad_norm()``) whether or not it clips. ZeRO-1 clips and reports itself."""
+        if self.zero1:
             return
         owned = self.owned_params()
         norm_of = self.grads(owned) if self.hp_grads else [p.grad for p in owned]
-        held = list(self.hp_grads.values()) if self.hp_grads else \
-            [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        self.grad_norm = clip_by_norm(norm_of, held, self.max_norm, self._sum_over_pipeline, self.device)
+        self.grad_norm = grad_norm(norm_of, self._sum_over_pipeline, self.device)
+        if self.max_norm > 0:
+            held = list(self.hp_grads.values()) if self.hp_grads else \
+                [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+            scale_to(held, self.max_norm, self.grad_norm)
         self.engine._global_grad_norm = self.grad_norm
 
     def optimizer_step(self, chunks: tuple) -> None:

@@ -99,6 +99,26 @@ def schedule_options(section: dict) -> tuple:
     return name, chosen, runtime
 
 
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def without_auto_batch_keys(config: dict) -> dict:
+    """The config with its ``"auto"`` batch keys dropped, for a DeepSpeed script (no HF Trainer fills them).
+
+    DeepSpeed derives what is missing from what is given; with every batch key ``"auto"``
+    nothing can be derived, which is refused with the keys to set.
+    """
+    autos = [key for key in BATCH_KEYS if config.get(key) == "auto"]
+    if not autos:
+        return config
+    if len(autos) == len(BATCH_KEYS):
+        raise ValueError('the DeepSpeed config leaves every batch size to "auto" (' + ", ".join(BATCH_KEYS) +
+                         '); "auto" is filled by the HF Trainer. A DeepSpeed script sets them, e.g. '
+                         '"train_micro_batch_size_per_gpu": 2 and "gradient_accumulation_steps": 8 '
+                         "(the micro-batches per pipeline step)")
+    return {key: value for key, value in config.items() if key not in autos}
+
+
 def micro_batches_from_config(config: dict, dp: int) -> int:
     """DeepSpeed's gradient_accumulation_steps, derived from the batch keys as DeepSpeed does."""
     tbs = config.get("train_batch_size")

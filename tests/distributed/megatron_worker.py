@@ -129,9 +129,13 @@ def run_case(schedule, options, pp, loss_form, rank, world, grads="grad"):
 
     # the reference: one whole GPTModel with every stage's weights, trained in this process
     per_stage = LAYERS // total
-    full_config = gpt_config(1, None)
-    with megatron_stage(0, 1, 1, group):
-        full = provider_for(full_config)(pre_process=True, post_process=True)
+
+    def whole_model(state):
+        with megatron_stage(0, 1, 1, group):
+            model = provider_for(gpt_config(1, None))(pre_process=True, post_process=True)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        assert not [k for k in missing if not k.endswith("_extra_state")], missing
+        return model
     state = {}
     for stage in range(total):
         with megatron_stage(stage, pp, total, group), torch.random.fork_rng(devices=[]):
@@ -140,8 +144,9 @@ def run_case(schedule, options, pp, loss_form, rank, world, grads="grad"):
                              vp_stage=stage // pp if vpp else None)
         for name, value in built.state_dict().items():
             state[to_full_name(name, stage, per_stage)] = value
-    missing, unexpected = full.load_state_dict(state, strict=False)
-    assert not [k for k in missing if not k.endswith("_extra_state")], missing
+    full = whole_model(state)
+    own_dicts, own_eval_dicts = megatrons_own_dicts(whole_model(state), forward_step_for(loss_form),
+                                                    [micro_batch(dp_rank, mb) for mb in range(N)])
     ref_losses = []
     for d in range(dp):
         for mb in range(N):
@@ -165,11 +170,38 @@ def run_case(schedule, options, pp, loss_form, rank, world, grads="grad"):
     holds_loss = any(c._ds_chimera_stage == total - 1 for c in chunks)
     got = [float(d["lm loss"]) for d in losses]
     got_eval = [float(d["lm loss"]) for d in eval_losses]
-    loss_diff = max(abs(a - b) for a, b in zip(got, ref_losses)) if got else None
-    eval_diff = max(abs(a - b) for a, b in zip(got_eval, ref_losses)) if got_eval else None
-    return {"schedule": schedule, "options": options, "pp": pp, "grads": grads, "stages": [c._ds_chimera_stage for c in chunks], "grad_diff": grad_diff,
-            "weight_diff": weight_diff, "grad_norm": grad_norm ** 0.5, "holds_loss": holds_loss, "losses": len(got), "eval_losses": len(got_eval),
-            "loss_diff": loss_diff, "eval_diff": eval_diff, "finalize_calls": len(calls)}
+    own = [float(d["lm loss"]) for d in own_dicts]
+    own_eval = [float(d["lm loss"]) for d in own_eval_dicts]
+    # the dicts as Megatron-Core's own schedule returns them for the same forward_step_func and loss_func
+    dict_diff = max(abs(a - b) for a, b in zip(got, own, strict=True)) if got else None
+    eval_dict_diff = max(abs(a - b) for a, b in zip(got_eval, own_eval, strict=True)) if got_eval else None
+    return {"schedule": schedule, "options": options, "pp": pp, "grads": grads,
+            "stages": [c._ds_chimera_stage for c in chunks], "grad_diff": grad_diff, "weight_diff": weight_diff,
+            "grad_norm": grad_norm ** 0.5, "holds_loss": holds_loss, "pipe_rank": dist.get_rank(group),
+            "losses": len(got), "eval_losses": len(got_eval), "dict_diff": dict_diff,
+            "eval_dict_diff": eval_dict_diff, "own_dicts": len(own), "loss_form": loss_form,
+            "divided_in_place": bool(got) and abs(got[0] - ref_losses[0] / N) <= 1e-6,
+            "finalize_calls": len(calls)}
+
+
+def megatrons_own_dicts(model, forward_step, batches):
+    """Megatron-Core's own schedule (no pipelining, one whole model) on this rank's micro-batches: the
+    loss dicts it returns for training and for forward only. Its one CUDA allocation is kept on CPU."""
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+    zeros = torch.zeros
+
+    def cpu_zeros(*args, device=None, **kwargs):
+        return zeros(*args, **kwargs) if device == "cuda" else zeros(*args, device=device, **kwargs)
+    torch.zeros = cpu_zeros
+    try:
+        kwargs = dict(forward_step_func=forward_step, model=[model], num_microbatches=len(batches), seq_length=SEQ,
+                      micro_batch_size=MBS)
+        train = forward_backward_no_pipelining(data_iterator=iter(batches), **kwargs)
+        with torch.no_grad():
+            evaluation = forward_backward_no_pipelining(data_iterator=iter(batches), forward_only=True, **kwargs)
+    finally:
+        torch.zeros = zeros
+    return train, evaluation
 
 
 def run_refusals():
@@ -196,6 +228,19 @@ def run_refusals():
             messages[key] = str(exc)
         for k, v in saved.items():
             setattr(config, k, v)
+    # chunks in another layout than the schedule's, found before the first forward
+    looped = dsm.build_model_chunks(provider_for(gpt_config(4, 2)), "interleaved", chunks=2)
+    for key, chunks in (("tagged-layout", looped), ("megatron-layout", looped)):
+        if key == "megatron-layout":       # as Megatron's own get_model builds them: no ds_chimera tags
+            for chunk in chunks:
+                del chunk._ds_chimera_stage, chunk._ds_chimera_built_for
+        try:
+            dsm.get_forward_backward_func("zbv", timeout=30)(
+                forward_step_func=forward_step_for(2), data_iterator=iter(batches), model=chunks, num_microbatches=N,
+                seq_length=SEQ, micro_batch_size=MBS)
+            messages[key] = None
+        except ValueError as exc:
+            messages[key] = str(exc)
     return {"refusals": messages}
 
 
@@ -208,7 +253,15 @@ def run_installed(rank, world):
     chosen = pipeline_parallel.get_forward_backward_func()
     dsm.uninstall()
     restored = pipeline_parallel.get_forward_backward_func
-    return {"installed": getattr(chosen, "schedule", None), "restored_is_megatron": restored is get_forward_backward_func}
+    # build_model_chunks() with no schedule builds what the installed routing runs, V from Megatron's VP size
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=4,
+                                             virtual_pipeline_model_parallel_size=2)
+    dsm.install("breadth-first", timeout=60)
+    built = dsm.build_model_chunks(provider_for(gpt_config(4, 2)))
+    dsm.uninstall()
+    return {"installed": getattr(chosen, "schedule", None), "restored_is_megatron": restored is get_forward_backward_func,
+            "built_for": [list(c._ds_chimera_built_for) for c in built], "built_stages": [c._ds_chimera_stage for c in built]}
 
 
 def run_dead_rank(timeout_s: float):

@@ -324,6 +324,8 @@ def config_file_training(path, steps=6):
         cfg = json.load(fh)
     cfg["steps_per_print"] = 1000
     cfg["pipeline"]["timeout"] = 60
+    # the shipped batch keys are "auto" (HF fills them); a DeepSpeed script sets one, the rest are derived
+    cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=8)
     specs = lm_layer_specs(vocab_size=32, d_model=32, num_layers=6, kernel_sizes=(3, 7, 15, 31), num_heads=4,
                            max_len=16)
     net = PipelineModule(layers=specs, num_stages=4, loss_fn=lm_loss, partition_method="uniform",
