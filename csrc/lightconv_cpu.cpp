@@ -32,7 +32,7 @@ using at::Tensor;
 
 constexpr int64_t kGrainWork = 32768;  // multiply-adds per task below which we stay serial
 constexpr int64_t kTimeBlock = 2048;   // t-block keeping a row's working set in L1/L2
-constexpr int64_t kChannelBlock = 32;  // channels a channels-last task keeps in registers
+constexpr int64_t kChannelBlock = 64;  // channels a channels-last loop keeps in registers (at most)
 constexpr int64_t kStepBlock = 256;    // t-block of the channels-last weight gradient
 
 int64_t grain_for(int64_t work_per_item) {
@@ -229,27 +229,29 @@ inline void load_dynamic_block(const scalar_t* w, int64_t sk, int64_t st, int64_
 // Channels-last helpers: a block of n <= kChannelBlock contiguous channels of one head
 // ---------------------------------------------------------------------------------------------
 
-// out[j] = sum over taps k with rows[k] != nullptr of coef[k] * rows[k][j], j < n.
+// out[j] = sum over taps k with rows[k] != nullptr of coef[k] * rows[k][j], j < n; N a
+// compile-time width (the accumulators stay in registers), or 0 for any n <= kChannelBlock.
+template <int64_t N, typename scalar_t, typename acc_t>
+inline void weighted_rows_n(const scalar_t* const* rows, const acc_t* coef, int64_t K, int64_t n, acc_t* out) {
+  constexpr int64_t width = N > 0 ? N : kChannelBlock;
+  const int64_t m = N > 0 ? N : n;
+  acc_t a[width];
+  std::fill(a, a + width, acc_t(0));
+  for (int64_t k = 0; k < K; ++k) {
+    const scalar_t* __restrict__ r = rows[k];
+    if (r == nullptr) continue;
+    const acc_t wk = coef[k];
+    for (int64_t j = 0; j < m; ++j) a[j] += wk * static_cast<acc_t>(r[j]);
+  }
+  std::copy(a, a + m, out);
+}
+
 template <typename scalar_t, typename acc_t>
 inline void weighted_rows(const scalar_t* const* rows, const acc_t* coef, int64_t K, int64_t n, acc_t* out) {
-  acc_t a[kChannelBlock];
-  std::fill(a, a + kChannelBlock, acc_t(0));
-  if (n == kChannelBlock) {
-    for (int64_t k = 0; k < K; ++k) {
-      const scalar_t* __restrict__ r = rows[k];
-      if (r == nullptr) continue;
-      const acc_t wk = coef[k];
-      for (int64_t j = 0; j < kChannelBlock; ++j) a[j] += wk * static_cast<acc_t>(r[j]);
-    }
-  } else {
-    for (int64_t k = 0; k < K; ++k) {
-      const scalar_t* __restrict__ r = rows[k];
-      if (r == nullptr) continue;
-      const acc_t wk = coef[k];
-      for (int64_t j = 0; j < n; ++j) a[j] += wk * static_cast<acc_t>(r[j]);
-    }
-  }
-  std::copy(a, a + n, out);
+  if (n == 64) return weighted_rows_n<64>(rows, coef, K, n, out);
+  if (n == 32) return weighted_rows_n<32>(rows, coef, K, n, out);
+  if (n == 16) return weighted_rows_n<16>(rows, coef, K, n, out);
+  weighted_rows_n<0>(rows, coef, K, n, out);
 }
 
 // sum_j a[j] * b[j] over a block of contiguous channels, in a fixed order.
@@ -267,72 +269,88 @@ inline acc_t channel_dot(const scalar_t* __restrict__ a, const scalar_t* __restr
   }
 }
 
-// A task of a channels-last loop: batch b, head h, channels [c0, c0 + n) (inside the head).
-struct Block {
-  int64_t b, h, c0, n;
-};
+// Channels-last tasks are (batch, chunk of kStepChunk steps): each walks its steps in order and,
+// per step, every head and block of channels, so the K input rows it reads (C contiguous
+// values each) stay in cache and memory is read in whole rows.
+constexpr int64_t kStepChunk = 64;
 
-inline int64_t blocks_per_head(int64_t G) { return (G + kChannelBlock - 1) / kChannelBlock; }
+inline int64_t chunks(int64_t T) { return (T + kStepChunk - 1) / kStepChunk; }
 
-inline Block block_of(int64_t task, const Dims& d) {
-  const int64_t per_head = blocks_per_head(d.G);
-  const int64_t bh = task / per_head, j = task % per_head;
-  const int64_t b = bh / d.H, h = bh % d.H;
-  const int64_t c0 = h * d.G + j * kChannelBlock;
-  return {b, h, c0, std::min(kChannelBlock, (h + 1) * d.G - c0)};
-}
-
-// y[b, t, block] = sum_k coef(k, t) * x[b, t + k - pad_l, block] for t in [t0, t1): the forward
-// (coef = w) and both input gradients (LightConv: w reversed; DynamicConv: w at the source
-// step), with coef(k, t) filling a K-vector per t.
+// y[b, t, :] = per head h, sum_k coef(h, t)[k] * x[b, t + k - pad_l, channels of h], t in [t0, t1):
+// the forward (coef = w) and both input gradients (LightConv: w reversed; DynamicConv: w at
+// the source step). Channels contiguous in x; y through its strides.
 template <typename scalar_t, typename acc_t, typename Coef>
-void cl_correlate(const scalar_t* x, S3 xs, scalar_t* y, S3 ys, const Dims& d, int64_t pad_l, const Block& blk,
-                  int64_t t0, int64_t t1, std::vector<const scalar_t*>& rows, std::vector<acc_t>& coef, acc_t* out,
-                  Coef&& coef_at) {
+void cl_correlate(const scalar_t* x, S3 xs, scalar_t* y, S3 ys, const Dims& d, int64_t pad_l, int64_t b,
+                  int64_t t0, int64_t t1, Coef&& coef_at) {
+  std::vector<const scalar_t*> base(d.K), rows(d.K);
+  std::vector<acc_t> coef(d.K);
+  acc_t out[kChannelBlock];
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t k = 0; k < d.K; ++k) {
       const int64_t s = t + k - pad_l;
-      rows[k] = (s >= 0 && s < d.T) ? x + blk.b * xs.b + s * xs.t + blk.c0 * xs.c : nullptr;
+      base[k] = (s >= 0 && s < d.T) ? x + b * xs.b + s * xs.t : nullptr;
     }
-    coef_at(t, coef.data());
-    weighted_rows(rows.data(), coef.data(), d.K, blk.n, out);
-    store(out, blk.n, y + blk.b * ys.b + t * ys.t + blk.c0 * ys.c, ys.c);
+    for (int64_t h = 0; h < d.H; ++h) {
+      coef_at(h, t, coef.data());
+      for (int64_t c0 = h * d.G; c0 < (h + 1) * d.G; c0 += kChannelBlock) {
+        const int64_t n = std::min(kChannelBlock, (h + 1) * d.G - c0);
+        for (int64_t k = 0; k < d.K; ++k) rows[k] = base[k] ? base[k] + c0 : nullptr;
+        weighted_rows(rows.data(), coef.data(), d.K, n, out);
+        store(out, n, y + b * ys.b + t * ys.t + c0 * ys.c, ys.c);
+      }
+    }
   }
 }
 
-// part[k] += sum over t in [t0, t1) and the block's channels of g[b, t, c] * x[b, t + k - P, c]
+// part[h * K + k] += sum over t in [t0, t1) and the channels c of head h of
+// g[b, t, c] * x[b, t + k - P, c]; a block of 32 channels accumulates in registers over the steps.
 template <typename scalar_t, typename acc_t>
-void cl_light_weight_grad(const scalar_t* g, const scalar_t* x, S3 s, const Dims& d, int64_t P, const Block& blk,
+void cl_light_weight_grad(const scalar_t* g, const scalar_t* x, S3 s, const Dims& d, int64_t P, int64_t b,
                           int64_t t0, int64_t t1, acc_t* part) {
   acc_t a[kChannelBlock];
-  for (int64_t k = 0; k < d.K; ++k) {
-    const int64_t lo = std::max(t0, P - k), hi = std::min(t1, d.T + P - k);   // t + k - P in [0, T)
-    if (lo >= hi) continue;
-    std::fill(a, a + kChannelBlock, acc_t(0));
-    for (int64_t t = lo; t < hi; ++t) {
-      const scalar_t* __restrict__ gr = g + blk.b * s.b + t * s.t + blk.c0;
-      const scalar_t* __restrict__ xr = x + blk.b * s.b + (t + k - P) * s.t + blk.c0;
-      for (int64_t j = 0; j < blk.n; ++j) a[j] += static_cast<acc_t>(gr[j]) * static_cast<acc_t>(xr[j]);
+  for (int64_t h = 0; h < d.H; ++h) {
+    for (int64_t c0 = h * d.G; c0 < (h + 1) * d.G; c0 += kChannelBlock) {
+      const int64_t n = std::min(kChannelBlock, (h + 1) * d.G - c0);
+      for (int64_t k = 0; k < d.K; ++k) {
+        const int64_t lo = std::max(t0, P - k), hi = std::min(t1, d.T + P - k);   // t + k - P in [0, T)
+        if (lo >= hi) continue;
+        std::fill(a, a + kChannelBlock, acc_t(0));
+        const scalar_t* gr = g + b * s.b + c0;
+        const scalar_t* xr = x + b * s.b + (k - P) * s.t + c0;
+        if (n == kChannelBlock) {   // a fixed width: the sums stay in registers
+          for (int64_t t = lo; t < hi; ++t) {
+            const scalar_t* __restrict__ gv = gr + t * s.t;
+            const scalar_t* __restrict__ xv = xr + t * s.t;
+            for (int64_t j = 0; j < kChannelBlock; ++j) a[j] += static_cast<acc_t>(gv[j]) * static_cast<acc_t>(xv[j]);
+          }
+        } else {
+          for (int64_t t = lo; t < hi; ++t)
+            for (int64_t j = 0; j < n; ++j)
+              a[j] += static_cast<acc_t>(gr[t * s.t + j]) * static_cast<acc_t>(xr[t * s.t + j]);
+        }
+        acc_t sum = 0;
+        for (int64_t j = 0; j < n; ++j) sum += a[j];
+        part[h * d.K + k] += sum;
+      }
     }
-    acc_t sum = 0;
-    for (int64_t j = 0; j < blk.n; ++j) sum += a[j];
-    part[k] += sum;
   }
 }
 
 // gw[b, h, k, t] = sum over the head's channels of g[b, t, c] * x[b, t + k - P, c], t in [t0, t1)
 template <typename scalar_t, typename acc_t>
 void cl_dynamic_weight_grad(const scalar_t* g, const scalar_t* x, S3 s, scalar_t* gw, const int64_t* ws,
-                            const Dims& d, int64_t P, int64_t b, int64_t h, int64_t t0, int64_t t1) {
-  const int64_t c0 = h * d.G;
-  scalar_t* base = gw + b * ws[0] + h * ws[1];
+                            const Dims& d, int64_t P, int64_t b, int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {
-    const scalar_t* gr = g + b * s.b + t * s.t + c0;
-    for (int64_t k = 0; k < d.K; ++k) {
-      const int64_t src = t + k - P;
-      const acc_t v = (src >= 0 && src < d.T) ? channel_dot<scalar_t, acc_t>(gr, x + b * s.b + src * s.t + c0, d.G)
-                                              : acc_t(0);
-      base[k * ws[2] + t * ws[3]] = static_cast<scalar_t>(v);
+    for (int64_t h = 0; h < d.H; ++h) {
+      const int64_t c0 = h * d.G;
+      const scalar_t* gr = g + b * s.b + t * s.t + c0;
+      scalar_t* base = gw + b * ws[0] + h * ws[1] + t * ws[3];
+      for (int64_t k = 0; k < d.K; ++k) {
+        const int64_t src = t + k - P;
+        const acc_t v = (src >= 0 && src < d.T)
+                            ? channel_dot<scalar_t, acc_t>(gr, x + b * s.b + src * s.t + c0, d.G) : acc_t(0);
+        base[k * ws[2]] = static_cast<scalar_t>(v);
+      }
     }
   }
 }
@@ -354,15 +372,14 @@ Tensor lightconv_apply(const Tensor& in, const Tensor& w, int64_t pad_l, bool fl
     scalar_t* yp = out.mutable_data_ptr<scalar_t>();
     const S3 xs(in), ys(out);
     if (cl) {
-      const int64_t tasks = d.B * d.H * blocks_per_head(d.G);
-      at::parallel_for(0, tasks, grain_for(d.T * d.K * kChannelBlock), [&](int64_t begin, int64_t end) {
-        std::vector<const scalar_t*> rows(d.K);
-        std::vector<acc_t> coef(d.K), acc(kChannelBlock);
+      const int64_t per_b = chunks(d.T);
+      at::parallel_for(0, d.B * per_b, grain_for(kStepChunk * d.C * d.K), [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; ++task) {
-          const Block blk = block_of(task, d);
-          const acc_t* wh = wk.data() + blk.h * d.K;
-          cl_correlate(xin, xs, yp, ys, d, pad_l, blk, 0, d.T, rows, coef, acc.data(),
-                       [&](int64_t, acc_t* c) { std::copy(wh, wh + d.K, c); });
+          const int64_t b = task / per_b, t0 = (task % per_b) * kStepChunk;
+          cl_correlate<scalar_t, acc_t>(xin, xs, yp, ys, d, pad_l, b, t0, std::min(d.T, t0 + kStepChunk),
+                                        [&](int64_t h, int64_t, acc_t* c) {
+                                          std::copy(wk.data() + h * d.K, wk.data() + (h + 1) * d.K, c);
+                                        });
         }
       });
       return;
@@ -409,32 +426,28 @@ std::tuple<Tensor, Tensor> lightconv_grads(const Tensor& grad_y_, const Tensor& 
     const std::vector<acc_t> wflip = w ? head_kernel<scalar_t, acc_t>(*w, true) : std::vector<acc_t>();
     const S3 s(x), gs(gy);
     const S3 xs_out = w ? S3(grad_x) : s;
-    const int64_t per_head = cl ? blocks_per_head(d.G) : d.G;   // tasks per (b, h)
-    const int64_t tasks = d.B * d.H * per_head;
-    std::vector<acc_t> partial(tasks * K, acc_t(0));
+    // tasks: channels-last, (b, chunk of steps), each with an (H, K) partial; rows, (b, c) with a K one
+    const int64_t tasks = cl ? d.B * chunks(T) : d.B * d.C;
+    const int64_t width = cl ? d.H * K : K;
+    std::vector<acc_t> partial(tasks * width, acc_t(0));
     if (T > 0 && tasks > 0) {
-      at::parallel_for(0, tasks, grain_for(T * K * (cl ? kChannelBlock : 1) * (w ? 2 : 1)),
-                       [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, tasks, grain_for(cl ? kStepChunk * d.C * K : T * K), [&](int64_t begin, int64_t end) {
         if (cl) {
-          std::vector<const scalar_t*> rows(K);
-          std::vector<acc_t> coef(K), acc(kChannelBlock);
           for (int64_t task = begin; task < end; ++task) {
-            const Block blk = block_of(task, d);
-            for (int64_t t0 = 0; t0 < T; t0 += kStepBlock) {   // both gradients per block of steps
-              const int64_t t1 = std::min(T, t0 + kStepBlock);
-              cl_light_weight_grad(gp, xin, s, d, P, blk, t0, t1, partial.data() + task * K);
-              if (w) {
-                const acc_t* wh = wflip.data() + blk.h * K;
-                cl_correlate(gp, gs, gxp, xs_out, d, K - 1 - P, blk, t0, t1, rows, coef, acc.data(),
-                             [&](int64_t, acc_t* c) { std::copy(wh, wh + K, c); });
-              }
-            }
+            const int64_t b = task / chunks(T), t0 = (task % chunks(T)) * kStepChunk;
+            const int64_t t1 = std::min(T, t0 + kStepChunk);
+            cl_light_weight_grad(gp, xin, s, d, P, b, t0, t1, partial.data() + task * width);
+            if (w)   // grad_x from the same steps while they are in cache
+              cl_correlate<scalar_t, acc_t>(gp, gs, gxp, xs_out, d, K - 1 - P, b, t0, t1,
+                                            [&](int64_t h, int64_t, acc_t* c) {
+                                              std::copy(wflip.data() + h * K, wflip.data() + (h + 1) * K, c);
+                                            });
           }
           return;
         }
         std::vector<acc_t> xp(T + K - 1), gpad(w ? T + K - 1 : 0), acc(w ? T : 0);
         for (int64_t task = begin; task < end; ++task) {
-          const int64_t bh = task / d.G, b = bh / d.H, h = bh % d.H, c = h * d.G + task % d.G;
+          const int64_t b = task / d.C, c = task % d.C, h = c / d.G;
           load_padded(xin + b * s.b + c * s.c, s.t, T, P, K - 1 - P, xp.data());
           if (w) {   // grad_y padded for the input gradient; its middle is the row itself
             load_padded(gp + b * gs.b + c * gs.c, gs.t, T, K - 1 - P, P, gpad.data());
@@ -454,11 +467,15 @@ std::tuple<Tensor, Tensor> lightconv_grads(const Tensor& grad_y_, const Tensor& 
       });
     }
     scalar_t* out = grad_w.mutable_data_ptr<scalar_t>();
-    for (int64_t h = 0; h < d.H; ++h) {
+    for (int64_t h = 0; h < d.H; ++h) {   // a fixed-order sum over the tasks
       for (int64_t k = 0; k < K; ++k) {
         acc_t sum = 0;
-        for (int64_t b = 0; b < d.B; ++b)
-          for (int64_t j = 0; j < per_head; ++j) sum += partial[((b * d.H + h) * per_head + j) * K + k];
+        if (cl) {
+          for (int64_t task = 0; task < tasks; ++task) sum += partial[task * width + h * K + k];
+        } else {
+          for (int64_t b = 0; b < d.B; ++b)
+            for (int64_t c = h * d.G; c < (h + 1) * d.G; ++c) sum += partial[(b * d.C + c) * K + k];
+        }
         out[h * K + k] = static_cast<scalar_t>(sum);
       }
     }
@@ -503,28 +520,26 @@ Tensor dynamicconv_apply(const Tensor& in, const Tensor& w, int64_t P, bool inpu
     const S4 ws(w);
     const int64_t K = d.K, T = d.T;
     if (cl) {
-      const int64_t tasks = d.B * d.H * blocks_per_head(d.G);
-      at::parallel_for(0, tasks, grain_for(T * K * kChannelBlock), [&](int64_t begin, int64_t end) {
-        std::vector<const scalar_t*> rows(K);
-        std::vector<acc_t> coef(K), acc(kChannelBlock);
+      const int64_t per_b = chunks(T);
+      at::parallel_for(0, d.B * per_b, grain_for(kStepChunk * d.C * K), [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; ++task) {
-          const Block blk = block_of(task, d);
-          const scalar_t* wbh = wp + blk.b * ws.v[0] + blk.h * ws.v[1];
+          const int64_t b = task / per_b, t0 = (task % per_b) * kStepChunk;
+          const scalar_t* wb = wp + b * ws.v[0];
           // forward: w[k, t]; input grad: gx[s] = sum_k w[k, t] gy[t], t = s - k + P, read as
           // the correlation of gy (pad K-1-P) with tap k' = K-1-k at step t = s + k' - (K-1-P)
-          cl_correlate(xin, xs, yp, ys, d, input_grad ? K - 1 - P : P, blk, 0, T, rows, coef, acc.data(),
-                       [&](int64_t t, acc_t* c) {
-                         for (int64_t k = 0; k < K; ++k) {
-                           if (!input_grad) {
-                             c[k] = static_cast<acc_t>(wbh[k * ws.v[2] + t * ws.v[3]]);
-                           } else {
-                             const int64_t src = t + k - (K - 1 - P);
-                             c[k] = (src >= 0 && src < T)
-                                        ? static_cast<acc_t>(wbh[(K - 1 - k) * ws.v[2] + src * ws.v[3]])
-                                        : acc_t(0);
-                           }
-                         }
-                       });
+          cl_correlate<scalar_t, acc_t>(xin, xs, yp, ys, d, input_grad ? K - 1 - P : P, b, t0,
+                                        std::min(T, t0 + kStepChunk), [&](int64_t h, int64_t t, acc_t* c) {
+            const scalar_t* wbh = wb + h * ws.v[1];
+            for (int64_t k = 0; k < K; ++k) {
+              if (!input_grad) {
+                c[k] = static_cast<acc_t>(wbh[k * ws.v[2] + t * ws.v[3]]);
+              } else {
+                const int64_t src = t + k - (K - 1 - P);
+                c[k] = (src >= 0 && src < T) ? static_cast<acc_t>(wbh[(K - 1 - k) * ws.v[2] + src * ws.v[3]])
+                                             : acc_t(0);
+              }
+            }
+          });
         }
       });
       return;
@@ -585,33 +600,27 @@ std::tuple<Tensor, Tensor> dynamicconv_grads(const Tensor& grad_y_, const Tensor
     const S3 os = w ? S3(grad_x) : s;
     const S4 gws(grad_w);
     const S4 ws = w ? S4(*w) : gws;
-    at::parallel_for(0, d.B * d.H, grain_for(d.G * T * K * (w ? 2 : 1)), [&](int64_t begin, int64_t end) {
-      if (cl) {
-        std::vector<const scalar_t*> rows(K);
-        std::vector<acc_t> coef(K), acc(kChannelBlock);
-        for (int64_t bh = begin; bh < end; ++bh) {
-          const int64_t b = bh / d.H, h = bh % d.H;
-          const scalar_t* wbh = w ? wp + b * ws.v[0] + h * ws.v[1] : nullptr;
-          for (int64_t t0 = 0; t0 < T; t0 += kStepBlock) {   // both gradients per block of steps
-            const int64_t t1 = std::min(T, t0 + kStepBlock);
-            cl_dynamic_weight_grad<scalar_t, acc_t>(gp, xin, s, gwp, gws.v, d, P, b, h, t0, t1);
-            if (!w) continue;
-            for (int64_t j = 0; j < blocks_per_head(d.G); ++j) {
-              const Block blk{b, h, h * d.G + j * kChannelBlock, std::min(kChannelBlock, d.G - j * kChannelBlock)};
-              cl_correlate(gp, gs, gxp, os, d, K - 1 - P, blk, t0, t1, rows, coef, acc.data(),
-                           [&](int64_t t, acc_t* c) {
-                             for (int64_t k = 0; k < K; ++k) {
-                               const int64_t src = t + k - (K - 1 - P);
-                               c[k] = (src >= 0 && src < T)
-                                          ? static_cast<acc_t>(wbh[(K - 1 - k) * ws.v[2] + src * ws.v[3]])
-                                          : acc_t(0);
-                             }
-                           });
+    if (cl) {   // tasks: (b, chunk of steps); each writes its steps of grad_w and grad_x
+      const int64_t per_b = chunks(T);
+      at::parallel_for(0, d.B * per_b, grain_for(kStepChunk * d.C * K * (w ? 2 : 1)), [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t b = task / per_b, t0 = (task % per_b) * kStepChunk, t1 = std::min(T, t0 + kStepChunk);
+          cl_dynamic_weight_grad<scalar_t, acc_t>(gp, xin, s, gwp, gws.v, d, P, b, t0, t1);
+          if (!w) continue;
+          const scalar_t* wb = wp + b * ws.v[0];
+          cl_correlate<scalar_t, acc_t>(gp, gs, gxp, os, d, K - 1 - P, b, t0, t1, [&](int64_t h, int64_t t, acc_t* c) {
+            const scalar_t* wbh = wb + h * ws.v[1];
+            for (int64_t k = 0; k < K; ++k) {
+              const int64_t src = t + k - (K - 1 - P);
+              c[k] = (src >= 0 && src < T) ? static_cast<acc_t>(wbh[(K - 1 - k) * ws.v[2] + src * ws.v[3]])
+                                           : acc_t(0);
             }
-          }
+          });
         }
-        return;
-      }
+      });
+      return;
+    }
+    at::parallel_for(0, d.B * d.H, grain_for(d.G * T * K * (w ? 2 : 1)), [&](int64_t begin, int64_t end) {
       std::vector<acc_t> xp(T + K - 1), g(T), gw(K * T), wblock(w ? K * T : 0), gxpad(w ? T + K - 1 : 0);
       for (int64_t bh = begin; bh < end; ++bh) {
         const int64_t b = bh / d.H, h = bh % d.H;
@@ -686,13 +695,13 @@ Tensor conv_step(const char* op, const Tensor& buffer_, const Tensor& x_, const 
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const scalar_t* wp = weight.const_data_ptr<scalar_t>();
     scalar_t* yp = y.mutable_data_ptr<scalar_t>();
-    const int64_t tasks = B * H * blocks_per_head(G);
+    const int64_t per_head = (G + kChannelBlock - 1) / kChannelBlock;
+    const int64_t tasks = B * H * per_head;
     at::parallel_for(0, tasks, grain_for(K * kChannelBlock), [&](int64_t begin, int64_t end) {
       std::vector<const scalar_t*> rows(K);
       std::vector<acc_t> coef(K);
       acc_t out[kChannelBlock];
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t per_head = blocks_per_head(G);
         const int64_t bh = task / per_head, b = bh / H, h = bh % H;
         const int64_t c0 = h * G + (task % per_head) * kChannelBlock;
         const int64_t n = std::min(kChannelBlock, (h + 1) * G - c0);

@@ -44,13 +44,19 @@ def accumulation_roundoff(dtype: torch.dtype, tensor_cores: bool = False) -> flo
     return 2.0 ** -24
 
 
+ROUNDINGS = ("nearest", "truncate")
+
+
 def bound(reference: torch.Tensor, magnitude: torch.Tensor, terms: int, out_dtype: torch.dtype,
-          u_acc: float) -> torch.Tensor:
-    """The elementwise bound above, in fp64."""
+          u_acc: float, rounding: str = "nearest") -> torch.Tensor:
+    """The elementwise bound above, in fp64. ``rounding="truncate"`` doubles v, for a final
+    conversion that truncates (Triton's interpreter converts fp32 to bf16 so; GPUs round)."""
     if terms * u_acc >= 0.5:
         raise ValueError(f"{terms} terms at unit roundoff {u_acc:.3g}: the bound is meaningless (n u >= 1/2)")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     gamma = terms * u_acc / (1 - terms * u_acc)
-    v = unit_roundoff(out_dtype)
+    v = unit_roundoff(out_dtype) * (2 if rounding == "truncate" else 1)
     tiny = torch.finfo(out_dtype).smallest_normal
     return v * reference.abs() + (1 + v) * gamma * magnitude + tiny
 
@@ -73,19 +79,20 @@ def references(dynamic: bool, x: torch.Tensor, w: torch.Tensor, padding_l: int, 
     return {name: (out[False][i], out[True][i], terms[name]) for i, name in enumerate(("y", "grad_x", "grad_w"))}
 
 
-def excess(got: torch.Tensor, reference: torch.Tensor, magnitude: torch.Tensor, terms: int, u_acc: float):
+def excess(got: torch.Tensor, reference: torch.Tensor, magnitude: torch.Tensor, terms: int, u_acc: float,
+           rounding: str = "nearest"):
     """(largest |error| / bound over the elements, index of that element); <= 1 passes."""
     if got.shape != reference.shape:
         raise ValueError(f"shape {tuple(got.shape)} != reference {tuple(reference.shape)}")
     if got.numel() == 0:
         return 0.0, None
-    limit = bound(reference, magnitude, terms, got.dtype, u_acc)
+    limit = bound(reference, magnitude, terms, got.dtype, u_acc, rounding)
     ratio = (got.double() - reference).abs() / limit
     worst = int(ratio.argmax())
     return ratio.flatten()[worst].item(), tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), got.shape))
 
 
-def check(got: dict, refs: dict, u_acc: float, context: str = "") -> list:
+def check(got: dict, refs: dict, u_acc: float, context: str = "", rounding: str = "nearest") -> list:
     """Messages for each of ``got`` (name -> tensor) beyond its bound; empty when all pass.
     Every name must have a reference, and at least one tensor is compared."""
     if not got:
@@ -93,7 +100,7 @@ def check(got: dict, refs: dict, u_acc: float, context: str = "") -> list:
     failures = []
     for name, tensor in got.items():
         reference, magnitude, terms = refs[name]
-        ratio, where = excess(tensor, reference, magnitude, terms, u_acc)
+        ratio, where = excess(tensor, reference, magnitude, terms, u_acc, rounding)
         if not ratio <= 1.0:
             failures.append(f"{context} {name}: error {ratio:.3g}x its bound at {where} "
                             f"(got {tensor.dtype} {tensor.double()[where].item():.6g}, "
