@@ -75,9 +75,13 @@ sharded() {
 
 note "gpu_check $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?') dry_run=$DRY_RUN jobs=$JOBS"
 
-# 1. install (editable, no dependencies, no network)
-step install 20 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . || \
-  note "install: continuing with PYTHONPATH=$ROOT"
+# 1. install (editable, no dependencies, no network); a dry run leaves this machine's environment alone
+if (( DRY_RUN )); then
+  note "install      skipped in a dry run (PYTHONPATH=$ROOT)"
+else
+  step install 20 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . || \
+    note "install: continuing with PYTHONPATH=$ROOT"
+fi
 
 # 2. environment
 step env 20 bash -c "nvidia-smi 2>&1 || echo 'nvidia-smi: none (no GPU here)'; \
@@ -88,11 +92,7 @@ step env 20 bash -c "nvidia-smi 2>&1 || echo 'nvidia-smi: none (no GPU here)'; \
 t0=$(date +%s)
 sharded correctness 170 --correctness
 rc=$?
-FAILS=$(cat "$OUT"/correctness.*.json 2>/dev/null | "$PY" -c '
-import json, sys
-text = sys.stdin.read().replace("}{", "}\n{")
-docs = [json.loads(part) for part in text.split("\n{") if part.strip()] if text.strip() else []
-print(sum(len(d["failures"]) for d in docs), "failures in", sum(d["cases"] for d in docs), "cases")' 2>/dev/null)
+FAILS=$("$PY" benchmarks/kernels.py --summary "$OUT"/correctness.*.json 2>/dev/null)
 note "$(printf '%-12s %-28s %4ss  log: %s' correctness "$([[ $rc == 0 ]] && echo ok || echo "FAILED/TIMEOUT (exit $rc)")" \
   "$(( $(date +%s) - t0 ))" "$OUT/correctness.log") ${FAILS:-}"
 

@@ -195,16 +195,17 @@ def correctness_cases(dry_run=False):
     two-sided reach, the tap loop past a reach of 64 or K of 129, fp64), heads of 16, 64, 96
     and 128 channels (one and several 64-channel blocks) and both layouts, taken in turn so
     that each compiles only a few dozen kernels per shard."""
-    if dry_run:
-        kernels, dtypes, extra, widths, time_ = (1, 3, 7, 31, 70), (torch.float32,), (torch.float64,), (8, 24), 40
+    if dry_run:   # the interpreter runs every program in Python: a few small cases
+        kernels, dtypes, extra, extra_kernels = (3, 7, 70), (torch.float32,), (torch.float64,), (7,)
+        widths, time_ = (4, 8), 24
     else:
         kernels, dtypes, extra = (3, 7, 31, 64, 100, 130), (torch.float32, torch.bfloat16), (torch.float16, torch.float64)
-        widths, time_ = (16, 64, 96, 128), 300
+        extra_kernels, widths, time_ = (31, 100), (16, 64, 96, 128), 300
     cases = []
     for dyn in (False, True):
         for dtype in dtypes + extra:
             for kernel in kernels:
-                if dtype in extra and kernel not in (31, 100):
+                if dtype in extra and kernel not in extra_kernels:
                     continue
                 for padding_l in sorted({0, kernel // 2, kernel - 1}):
                     turn = len(cases)
@@ -309,8 +310,8 @@ def roofline(dev, shard=(0, 1), dry_run=False, warm_only=False, out=None):
               "rows": []}
     if not warm_only:
         big = torch.empty((1 << 28) if dev.type == "cuda" else 1 << 16, dtype=torch.uint8, device=dev)
-        copy_s = bench(lambda: big.clone())
-        result["copy_TBps"] = round(2 * big.numel() / copy_s / 1e12, 3)
+        copy_tbs = 2 * big.numel() / bench(lambda: big.clone()) / 1e12
+        result["copy_TBps"] = round(copy_tbs, 3)
         print(f"{name}: device-to-device copy {result['copy_TBps']} TB/s; nominal {nominal} TB/s", flush=True)
     tensors = {}
     for op, direction, dtype, kernel, pad_name, layout in cells:
@@ -341,7 +342,7 @@ def roofline(dev, shard=(0, 1), dry_run=False, warm_only=False, out=None):
         tbs = values * x.numel() * x.element_size() / seconds / 1e12
         row = {"op": op, "dir": direction, "dtype": str(dtype)[6:], "K": kernel, "padding": pad_name,
                "layout": layout, "us": round(seconds * 1e6, 1), "TBps": round(tbs, 3),
-               "of_copy": round(tbs / result["copy_TBps"], 3),
+               "of_copy": round(tbs / copy_tbs, 3),
                "of_nominal": round(tbs / nominal, 3) if nominal else None, "path": path}
         result["rows"].append(row)
         print(f"  {op:<11} {direction} {row['dtype']:<8} K={kernel:<3} {pad_name:<7} {layout} {row['us']:9.1f} us "
@@ -371,8 +372,9 @@ def roofline_table(path):
                              if (r["op"], r["dir"], r["dtype"]) == (op, direction, dtype)}
                     if not cells:
                         continue
-                    text = [f"{100 * cells[(k, p)]['of_nominal']:.0f}% ({cells[(k, p)]['us']:.0f})"
-                            if (k, p) in cells and cells[(k, p)]["of_nominal"] else "-"
+                    text = [("-" if (k, p) not in cells else
+                             f"{100 * cells[(k, p)]['of_nominal']:.0f}% ({cells[(k, p)]['us']:.0f})"
+                             if cells[(k, p)]["of_nominal"] else f"({cells[(k, p)]['us']:.0f})")
                             for k in ROOFLINE_KERNELS for p in ("centred", "causal")]
                     lines.append(f"| {op} {direction} | {dtype} | " + " | ".join(text) + " |")
     return "\n".join(lines)
@@ -388,6 +390,7 @@ def main():
     parser.add_argument("--roofline", action="store_true", help="only the roofline table")
     parser.add_argument("--warm", action="store_true", help="with --roofline: run each cell once, time nothing")
     parser.add_argument("--table", default=None, help="print the markdown table of a roofline JSON and exit")
+    parser.add_argument("--summary", nargs="*", default=None, help="count the failures in correctness JSONs")
     parser.add_argument("--shard", default="0/1", help="i/n: this process's share of the cases")
     parser.add_argument("--out", default=None, help="write the JSON result here")
     parser.add_argument("--dry-run", action="store_true",
@@ -395,6 +398,11 @@ def main():
     args = parser.parse_args()
     if args.table:
         print(roofline_table(args.table))
+        return
+    if args.summary is not None:
+        docs = [json.load(open(path)) for path in args.summary]
+        print(f"{sum(len(d['failures']) for d in docs)} failures in {sum(d['cases'] for d in docs)} cases "
+              f"({len(docs)} shards reported)")
         return
     shard = tuple(int(v) for v in args.shard.split("/"))
     if args.correctness or args.roofline:
