@@ -71,6 +71,17 @@ def test_placements_and_loss_dicts_follow_the_schedule(contract_results):
                 assert case["divided_in_place"] == (case["loss_form"] == 2), what
 
 
+def test_distributed_checkpoints_of_chunk_lists_load_into_any_layout(contract_results):
+    """Chimera's chunks (replicas deduplicated) saved with dist_checkpointing load exactly into zbv,
+    interleaved and Megatron's own plain pipeline (Megatron's API alone), and back."""
+    for results in contract_results:
+        found = results[-3]["dist_checkpoints"]
+        assert found["tensors"] > 50
+        for pair in ("chimera->zbv", "chimera->interleaved", "chimera->chimera", "chimera->plain", "plain->chimera"):
+            same_keys, diff = found[pair]
+            assert same_keys and diff == 0.0, (pair, found[pair])
+
+
 def test_unsplittable_setups_are_refused_on_every_rank(contract_results):
     for results in contract_results:
         refusals = results[-2]["refusals"]

@@ -2,9 +2,12 @@
 
 Megatron-Core 0.16 allocates two things on ``torch.cuda.current_device()`` unconditionally:
 the attention's scratch buffer (``GlobalMemoryBuffer``) and the dropout RNG states
-(``CudaRNGStatesTracker``). Where no CUDA device exists, :func:`enable_cpu` makes the buffer
-follow the CPU and the tracker's ``fork`` use torch's default generator. Nothing changes
-where CUDA is available. Models must also be given an explicit attention mask: Megatron's
+(``CudaRNGStatesTracker``), and its distributed-checkpoint writer calls
+``torch.cuda.synchronize()`` and allocates on ``torch.cuda.current_device()``. Where no CUDA
+device exists, :func:`enable_cpu` makes the buffer follow the CPU, the tracker's ``fork``
+use torch's default generator, ``torch.cuda.synchronize`` do nothing (there is no device to
+wait for) and ``torch.cuda.current_device`` name the CPU. Nothing changes where CUDA is
+available. Models must also be given an explicit attention mask: Megatron's
 default causal mask is built on CUDA.
 """
 from __future__ import annotations
@@ -41,6 +44,8 @@ def enable_cpu() -> bool:
 
     utils.GlobalMemoryBuffer.get_tensor = get_tensor
     tp_random.CudaRNGStatesTracker.fork = fork
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.current_device = lambda: "cpu"
     _ENABLED = True
     return True
 

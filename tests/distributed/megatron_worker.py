@@ -264,6 +264,90 @@ def run_installed(rank, world):
             "built_for": [list(c._ds_chimera_built_for) for c in built], "built_stages": [c._ds_chimera_stage for c in built]}
 
 
+def run_dist_checkpoints(out_dir: str, rank: int) -> dict:
+    """Megatron dist_checkpointing of chunk lists: chimera (replicas) -> zbv, interleaved and Megatron's own
+    plain pipeline (loaded with Megatron's API alone), and plain -> chimera. Every round trip is exact."""
+    from megatron.core import dist_checkpointing, parallel_state
+    layouts = {"chimera": ({}, None), "zbv": ({}, 2), "interleaved": ({"chunks": 2}, 2)}
+
+    def chunks_for(name):
+        options, vp = layouts[name]
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=4,
+                                                 virtual_pipeline_model_parallel_size=vp)
+        return dsm.build_model_chunks(provider_for(gpt_config(4, vp)), name, **options)
+
+    def plain_megatron():
+        """Megatron's own PP=4 model on this rank (no ds_chimera): stage = pipeline rank."""
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=4)
+        torch.manual_seed(99)
+        pp = parallel_state.get_pipeline_model_parallel_rank()
+        model = provider_for(gpt_config(4, None))(pre_process=pp == 0, post_process=pp == 3)
+        model._plain_stage = pp
+        return [model]
+
+    def by_global_name(model, total):
+        per, out = LAYERS // total, {}
+        for chunk in model:
+            stage = getattr(chunk, "_ds_chimera_stage", getattr(chunk, "_plain_stage", None))
+            for name, value in chunk.state_dict().items():
+                if not name.endswith("_extra_state"):
+                    out[to_full_name(name, stage, per)] = value.detach().clone()
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, out)
+        merged = {}
+        for part in gathered:
+            for key, value in part.items():
+                if key in merged and not torch.equal(merged[key], value):
+                    raise AssertionError(f"replicas of {key} differ")
+                merged[key] = value
+        return merged
+
+    def folder(name):
+        path = os.path.join(out_dir, "dist-ckpt", name)
+        if rank == 0:
+            os.makedirs(path)
+        dist.barrier()
+        return path
+
+    results = {}
+    source = chunks_for("chimera")
+    with torch.no_grad():        # distinct weights per stage, the same on both replicas of a stage
+        for chunk in source:
+            g = torch.Generator().manual_seed(chunk._ds_chimera_stage)
+            for p in chunk.parameters():
+                p.add_(torch.randn(p.shape, generator=g))
+    saved = by_global_name(source, 4)
+    path = folder("chimera")
+    dsm.save_checkpoint(source, path, "chimera")
+    for name in ("zbv", "interleaved", "chimera"):
+        target = chunks_for(name)
+        dsm.load_checkpoint(target, path, name, **layouts[name][0])
+        got = by_global_name(target, 8 if name != "chimera" else 4)
+        results[f"chimera->{name}"] = [sorted(got) == sorted(saved), max((got[k] - saved[k]).abs().max().item()
+                                                                       for k in saved)]
+    plain = plain_megatron()          # Megatron's own API: no ds_chimera in the load
+    state = dist_checkpointing.load({"model0": plain[0].sharded_state_dict()}, path)
+    plain[0].load_state_dict(state["model0"])
+    got = by_global_name(plain, 4)
+    results["chimera->plain"] = [sorted(got) == sorted(saved), max((got[k] - saved[k]).abs().max().item()
+                                                                 for k in saved)]
+    with torch.no_grad():
+        for p in plain[0].parameters():
+            p.mul_(0.5)
+    saved = by_global_name(plain, 4)
+    path = folder("plain")
+    dist_checkpointing.save({"model0": plain[0].sharded_state_dict()}, path)
+    target = chunks_for("chimera")
+    dsm.load_checkpoint(target, path, "chimera")
+    got = by_global_name(target, 4)
+    results["plain->chimera"] = [sorted(got) == sorted(saved), max((got[k] - saved[k]).abs().max().item()
+                                                                 for k in saved)]
+    results["tensors"] = len(saved)
+    return {"dist_checkpoints": results}
+
+
 def run_dead_rank(timeout_s: float):
     """Rank 3 dies after building its chunk; the others must fail with a clear error, not hang."""
     from megatron.core import parallel_state
@@ -289,6 +373,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     dsm.enable_cpu()
     results = [run_case(*case[:4], rank, world, *case[4:]) for case in CASES]
+    results.append(run_dist_checkpoints(out_dir, rank))
     results.append(run_refusals())
     results.append(run_installed(rank, world))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:

@@ -224,6 +224,33 @@ def checkpoint_resume(schedule, stages, dp, n, load_schedule=None, **options):
     return result
 
 
+def stock_interop(src, dst, n=8):
+    """A checkpoint written by one engine, resumed by the other with DeepSpeed's defaults (weights,
+    optimizer and scheduler state): both continue exactly alike. No clipping (DeepSpeed's stock
+    fp32 pipeline clips on a partial norm, so clipped runs would part for that reason alone)."""
+    specs, batches = mlp_specs(16), make_global_batches(n)
+    holder = [tempfile.mkdtemp(prefix="dsc_ckpt_") if tdist.get_rank() == 0 else None]
+    tdist.broadcast_object_list(holder, src=0)
+    a = make_engine(4, config(None if src == "stock" else src, n, 1, clip=0.0), specs)
+    for s in range(2):
+        a.train_batch(iter(batches(s)))
+    a.save_checkpoint(holder[0], tag="t")
+    b = make_engine(4, config(None if dst == "stock" else dst, n, 1, clip=0.0), specs)
+    b.load_checkpoint(holder[0])
+    losses = [(a.train_batch(iter(batches(s))).item(), b.train_batch(iter(batches(s))).item()) for s in (2, 3)]
+    worst, la, lb = 0.0, local_layers(a), local_layers(b)
+    for idx, obj in la.items():
+        if isinstance(obj, torch.nn.Module):
+            for p, q in zip(obj.parameters(), lb[idx].parameters(), strict=True):
+                worst = max(worst, (p - q).abs().max().item())
+    t = torch.tensor([worst])
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    tdist.barrier()
+    if tdist.get_rank() == 0:
+        shutil.rmtree(holder[0], ignore_errors=True)
+    return {"losses": losses, "max_param_diff": t.item(), "engines": [type(a).__name__, type(b).__name__]}
+
+
 def stock_clipping(n=8):
     """DeepSpeed's stock fp32 pipeline clipping against the true global norm, same model and data."""
     specs = mlp_specs(16)
@@ -551,6 +578,9 @@ SCENARIOS["ckpt-cross-chimera-to-1f1b"] = lambda: checkpoint_resume("chimera", 4
 SCENARIOS["ckpt-cross-chimera-to-stock"] = lambda: checkpoint_resume("chimera", 4, 1, 8, load_schedule="stock")
 SCENARIOS["ckpt-cross-zbv-to-interleaved"] = lambda: checkpoint_resume("zbv", 4, 1, 8, load_schedule="interleaved")
 SCENARIOS["stock-clipping"] = stock_clipping
+SCENARIOS["interop-stock-to-1f1b"] = lambda: stock_interop("stock", "1f1b")
+SCENARIOS["interop-1f1b-to-stock"] = lambda: stock_interop("1f1b", "stock")
+SCENARIOS["interop-stock-to-gpipe"] = lambda: stock_interop("stock", "gpipe")
 SCENARIOS["trace-chimera"] = lambda: traced_step("chimera")
 SCENARIOS["trace-zbv"] = lambda: traced_step("zbv")
 SCENARIOS["lm-chimera"] = lambda: lm_training("chimera")
