@@ -27,7 +27,8 @@ OTHER = ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv", "actckpt-4x1-chime
          "interop-stock-to-1f1b", "interop-1f1b-to-stock", "interop-stock-to-gpipe", "bf16-4x1-chimera",
          "bf16-4x1-chimera-zb", "bf16-2x2-zbv", "bf16-4x1-stock", "bf16-4x1-1f1b-noclip", "zero1-2x2-breadth-first", "zero1-2x2-zbv",
          "zero1-2x2-zbv-tied", "zero1-2x2-breadth-first-end", "lm-chimera", "lm-zbv", "trace-chimera", "trace-zbv", "bad-zero1-chimera", "bad-zero1-tied", "bad-zero2", "bad-zero1-reduce",
-         "bad-fp16", "bad-load-other-schedule", "bad-batch-split", "bad-unknown",
+         "bad-fp16", "bad-load-other-schedule", "bad-batch-split", "bad-unknown", "bad-zero3-async", "bad-zero3-bf16",
+         "bad-zero3-tied", "bad-reshard-zero1",
          "bad-pipelines", "bad-interleaved-n", "bad-option", "bad-async-tied", "bad-async-actckpt", "bad-async-bf16",
          "bad-async-steps-ahead"]
 ASYNC_OPTIONS = {"pipeoptim-code": {"steps_ahead": "code"}, "pipeoptim-last": {"predictor": "last-update"}}
@@ -36,7 +37,8 @@ ASYNC = ([f"async-{topo}-{k}" for topo in ("4x1", "2x2") for k in ASYNC_KEYS] + 
          + ["async-ckpt-resume-pipeoptim", "async-ckpt-resume-2x2-pipedream"]
          + ["async-bf16-4x1-pipeoptim", "async-bf16-4x1-spectrain", "async-bf16-2x2-pipedream",
             "async-bf16-probe-pipeoptim", "async-bf16-probe-pipedream-2bw"]
-         + ["async-continuous-pipeoptim", "async-continuous-pipedream", "async-continuous-spectrain-code"])
+         + ["async-continuous-pipeoptim", "async-continuous-pipedream", "async-continuous-spectrain-code"]
+         + ["async-clipped-4x1-pipeoptim", "async-clipped-2x2-pipedream"])
 OTHER += ASYNC
 CONFIG_DIR = os.path.join(os.path.dirname(HERE), "configs")
 CONFIGS = sorted(name[:-5] for name in os.listdir(CONFIG_DIR) if name.endswith(".json"))
@@ -147,6 +149,46 @@ def test_checkpoints_resume_across_the_stock_engine_with_optimizer_state(results
     assert all(a == b for a, b in r["losses"]) and r["max_param_diff"] == 0.0, r
 
 
+ZERO_SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "breadth-first": 2, "zb-h1": 1, "zbv": 2, "dualpipev": 2}
+ZERO = [f"zero{z}-2x2-{s}" for s in ZERO_SCHEDULES for z in (2, 3)] + \
+    ["zero3-4x1-breadth-first", "zero3-4x1-zbv", "zero3-2x2-breadth-first-keep"]
+OTHER += ZERO + ["zero3-ckpt-breadth-first"]
+
+
+@pytest.mark.parametrize("scenario", ZERO)
+def test_sharded_data_parallelism_equals_single_process_training(rank_results, scenario):
+    """ZeRO-2/3 over the pipeline's chunks, Adam, the clip active: every rank's weights, losses, norms
+    and eval loss as one process; one gather per chunk and step (ZeRO-2, or ZeRO-3 keeping its weights)."""
+    for rank, per_rank in enumerate(rank_results):
+        r = per_rank[scenario]
+        assert max(r["ref_norms"]) > r["clip"], "the clip must be active"
+        assert r["max_param_diff"] <= 1e-5 and r["compared_tensors"] >= 16, (rank, r["max_param_diff"])
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["losses"], r["ref_losses"], strict=True)), rank
+        assert all(abs(a - b) <= 1e-5 * b for a, b in zip(r["norms"], r["ref_norms"], strict=True)), rank
+        assert r["eval_diff"] <= 1e-5, rank
+        assert r["gathers"] == [r["program_gathers"]] * 3           # the program's gathers, no more, each step
+        chunks = ZERO_SCHEDULES[scenario.split("-", 2)[2].replace("-keep", "")]
+        if scenario.startswith("zero2") or scenario.endswith("keep"):
+            assert r["program_gathers"] == chunks
+        # 1/DP of the weights stays on the rank between gathers
+        dp = 2 if "2x2" in scenario else 1
+        assert r["shard_bytes"] * dp == r["full_bytes"]
+
+
+def test_breadth_first_gathers_less_than_depth_first_under_zero3(results):
+    """The breadth-first paper's point, counted: 2V-1 gathers a step for V chunks, far more depth-first."""
+    bf, interleaved = results["zero3-2x2-breadth-first"], results["zero3-2x2-interleaved"]
+    assert bf["program_gathers"] == 2 * 2 - 1
+    assert interleaved["program_gathers"] > 3 * bf["program_gathers"]
+    assert results["zero3-4x1-breadth-first"]["program_gathers"] == 3
+
+
+def test_sharded_checkpoints_resume_and_move_to_unsharded_runs(results):
+    r = results["zero3-ckpt-breadth-first"]
+    assert r["resume_diff"] == 0.0 and r["to_plain_diff"] == 0.0 and r["back_diff"] == 0.0
+    assert "'zero': 3}" in r["refusal"] and "Load the weights only" in r["refusal"]
+
+
 def test_global_norm_clipping_where_deepspeed_stock_is_wrong(results):
     r = results["stock-clipping"]
     assert r["ours"] <= 1e-5
@@ -160,7 +202,11 @@ def test_global_norm_clipping_where_deepspeed_stock_is_wrong(results):
     ("bad-option", "\"pipeline\" (schedule '1f1b'): unknown key 'chunks'."),
     ("bad-zero1-chimera", "ZeRO stage 1 with schedule 'chimera' is not supported: its stages are replicated"),
     ("bad-zero1-tied", "ZeRO stage 1 with weights tied across pipeline ranks (proj) is not supported"),
-    ("bad-zero2", "ZeRO stage 2 does not compose with pipeline schedules; use stage 0 or 1"),
+    ("bad-zero2", "ZeRO stage 2 with schedule 'chimera': its stages are replicated across pipeline ranks"),
+    ("bad-zero3-async", "ZeRO stage 3 with schedule 'pipeoptim': an asynchronous schedule steps each stage alone"),
+    ("bad-zero3-bf16", "ZeRO stage 3 with pipeline schedules shards fp32 weights; bf16 is not supported"),
+    ("bad-zero3-tied", "ZeRO stage 3 with weights tied across layers (proj) is not supported"),
+    ("bad-reshard-zero1", "reshard_after_forward applies to ZeRO stage 3 only; this config runs ZeRO stage 0"),
     ("bad-zero1-reduce", "\"pipeline\": zero1_reduce must be one of chunk, end; got 'later'"),
     ("bad-fp16", "fp16 training (loss scaling) is not supported by ds_chimera schedules yet"),
     ("bad-batch-split", "train_batch_size 10 is not divisible by train_micro_batch_size_per_gpu 4 x data-parallel "
@@ -200,12 +246,17 @@ def test_per_step_trace_of_what_each_rank_ran(results, scenario, kinds):
 # ---- asynchronous schedules (PipeOptim, PipeDream, 2BW, SpecTrain) --------------------------------------
 @pytest.mark.parametrize("scenario", ["async-bf16-4x1-pipeoptim", "async-bf16-4x1-spectrain",
                                       "async-bf16-2x2-pipedream"])
-def test_async_bf16_through_deepspeeds_bf16_optimizer(results, scenario):
-    """bf16 weights, fp32 master weights and state (predictions read them): fp32 training to bf16 rounding."""
-    r = results[scenario]
-    assert r["max_param_diff"] < 5e-3
-    assert all(abs(a - b) <= 5e-3 * abs(b) for a, b in zip(r["losses"], r["ref_losses"]))
-    assert r["versions_held"] == ([2, 2, 2, 1] if "4x1" in scenario else [2, 2, 1, 1])
+def test_async_bf16_through_deepspeeds_bf16_optimizer(rank_results, scenario):
+    """bf16 weights, fp32 master weights and state (predictions read them): fp32 training to bf16 rounding,
+    against LocalPipeline and against the independent model of the method (async_reference)."""
+    for rank, per_rank in enumerate(rank_results):
+        r = per_rank[scenario]
+        assert r["compared_tensors"] >= r["reference_tensors"] > 0
+        assert r["max_param_diff"] < 5e-3 and r["model_param_diff"] < 5e-3, rank
+        for ref in (r["ref_losses"], r["model_losses"]):
+            assert len(ref) == len(r["losses"]) == 2
+            assert all(abs(a - b) <= 5e-3 * abs(b) for a, b in zip(r["losses"], ref)), (rank, r["losses"], ref)
+        assert r["versions_held"] == ([2, 2, 2, 1] if "4x1" in scenario else [2, 2, 1, 1])
 
 
 @pytest.mark.parametrize("name", ["pipeoptim", "pipedream-2bw"])
@@ -218,30 +269,52 @@ def test_async_bf16_weight_versions(results, name):
     assert observed_versions([tuple(e) for e in r["log"]], schedule) == expected_versions(schedule, r["calls"])
 
 
-@pytest.mark.parametrize("scenario", [s for s in ASYNC if s.startswith(("async-4x1", "async-2x2"))])
-def test_async_engine_equals_the_single_process_pipeline(results, scenario):
-    """Same global mini-batches, same per-stage clipping: the distributed engine and LocalPipeline agree."""
-    r = results[scenario]
-    assert r["max_param_diff"] <= 1e-6
-    assert r["max_loss_diff"] <= 1e-5
+ASYNC_VERSUS = [s for s in ASYNC if s.startswith(("async-4x1", "async-2x2", "async-clipped"))]
+
+
+@pytest.mark.parametrize("scenario", ASYNC_VERSUS)
+def test_async_engine_equals_the_methods_independent_model(rank_results, scenario):
+    """On every rank, the same global mini-batches: the distributed engine equals the independent model of its
+    method (tests/distributed/async_reference.py, which shares nothing with the runtime) in weights, the
+    mean loss of each call and each call's last stage gradient norm; and LocalPipeline. Unclipped, so that a
+    wrong gradient scale moves the weights; the clipped cases clip some updates and not others."""
     stages, n = (4, 8) if "4x1" in scenario else (2, 4)
     interval = stages if "2bw" in scenario else 1         # 2BW accumulates D micro-batches per update
-    assert r["global_steps"] == 2 * n // interval          # two calls, one optimizer step per update
+    for rank, per_rank in enumerate(rank_results):
+        r = per_rank[scenario]
+        assert r["compared_tensors"] >= r["reference_tensors"] > 0
+        assert r["model_param_diff"] <= 1e-6, (rank, r["model_param_diff"])
+        assert r["max_param_diff"] <= 1e-6, (rank, r["max_param_diff"])
+        assert len(r["losses"]) == len(r["model_losses"]) == len(r["ref_losses"]) == 2
+        assert r["model_loss_diff"] <= 1e-5 and r["max_loss_diff"] <= 1e-5, rank
+        assert all(abs(a - b) <= 1e-5 * b for a, b in zip(r["norms"], r["model_norms"])), (rank, r["norms"],
+                                                                                          r["model_norms"])
+        assert r["global_steps"] == 2 * n // interval          # two calls, one optimizer step per update
+        assert r["updates"] == stages * 2 * n // interval
+        if "clipped" in scenario:
+            assert 0 < r["updates_clipped"] < r["updates"], "clipping must be active on some updates only"
+        else:
+            assert r["clip"] > 1e3 and r["updates_clipped"] == 0
 
 
 @pytest.mark.parametrize("key", ASYNC_KEYS)
-def test_weight_copies_each_rank_holds(results, key):
+def test_weight_copies_each_rank_holds(rank_results, key):
     from ds_chimera.schedules import registry
     name = "pipeoptim" if key.startswith("pipeoptim") else key
-    held = results[f"async-4x1-{key}"]["versions_held"]
+    held = rank_results[0][f"async-4x1-{key}"]["versions_held"]
     assert held == registry.build(name, 4, 8, **ASYNC_OPTIONS.get(key, {})).weights_per_rank()
     # the last stage's backward follows its forward at once, except where s = D-k looks one update further
     assert held == {"pipedream": [4, 3, 2, 1], "pipeoptim-code": [2, 2, 2, 2]}.get(key, [2, 2, 2, 1])
+    for topo in ("4x1", "2x2"):          # the independent model's count, rank by rank
+        for rank, per_rank in enumerate(rank_results):
+            r = per_rank[f"async-{topo}-{key}"]
+            assert r["versions_held"][rank] == r["model_versions_held"][r["stage_of_rank"][0]], (topo, rank)
 
 
 @pytest.mark.parametrize("key", ASYNC_KEYS)
 def test_instrumented_run_shows_each_methods_weight_versions(results, key):
-    """Every forward and backward on every rank reads the version its method's definition gives."""
+    """Every forward and backward on every rank reads the version its method's definition gives
+    (expected_versions: from the independent model's timetable, async_reference.pass_plan)."""
     from test_pipeoptim import PROBE_SPECTRAIN, expected_versions, observed_versions
 
     from ds_chimera.schedules import registry
@@ -250,6 +323,7 @@ def test_instrumented_run_shows_each_methods_weight_versions(results, key):
     schedule = registry.build("pipeoptim" if key.startswith("pipeoptim") else key, 4, r["n"], **options)
     observed = observed_versions([tuple(e) for e in r["log"]], schedule)
     expected = expected_versions(schedule, r["calls"])
+    assert len(observed) == len(expected) == 2 * 4 * r["n"] * r["calls"]
     assert observed == expected
 
 
@@ -272,12 +346,16 @@ def test_bad_async_config_fails_at_initialize(results, scenario, message):
 
 @pytest.mark.parametrize("scenario", ["async-continuous-pipeoptim", "async-continuous-pipedream",
                                       "async-continuous-spectrain-code"])
-def test_pipeline_kept_full_across_calls(results, scenario):
-    """fill='continuous': 2 calls of 8 then drain() equal one asynchronous 1F1B run over the 19 mini-batches."""
-    r = results[scenario]
-    assert r["max_param_diff"] <= 1e-6
-    assert abs(r["mean_loss"] - r["ref_mean_loss"]) <= 1e-5
-    assert r["global_steps"] == r["total"]           # every mini-batch one update, the drained ones too
+def test_pipeline_kept_full_across_calls(rank_results, scenario):
+    """fill='continuous': 2 calls of 8 then drain() equal one asynchronous 1F1B run over the 19 mini-batches,
+    of the independent model (async_reference) and of LocalPipeline; on every rank."""
+    for rank, per_rank in enumerate(rank_results):
+        r = per_rank[scenario]
+        assert r["compared_tensors"] >= r["reference_tensors"] > 0
+        assert r["model_param_diff"] <= 1e-6 and r["max_param_diff"] <= 1e-6, rank
+        assert abs(r["mean_loss"] - r["model_mean_loss"]) <= 1e-5, rank
+        assert abs(r["mean_loss"] - r["ref_mean_loss"]) <= 1e-5, rank
+        assert r["global_steps"] == r["total"]           # every mini-batch one update, the drained ones too
 
 
 @pytest.mark.parametrize("name", CONFIGS)

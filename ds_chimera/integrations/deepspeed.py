@@ -82,6 +82,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     from ..runtime.setup import prepare_module
     loaded = without_auto_batch_keys(loaded)
     model_parameters = prepare_module(model, loaded, model_parameters)
+    if (loaded.get("zero_optimization") or {}).get("stage", 0) >= 2:
+        # ds_chimera shards the chunks itself (runtime/sharding.py); DeepSpeed sees stage 0
+        loaded = dict(loaded, zero_optimization={**loaded["zero_optimization"], "stage": 0})
     rebound = _rebind_optimizer(optimizer, model)
     if rebound is not optimizer and lr_scheduler is not None and not callable(lr_scheduler):
         raise ValueError("ds_chimera rebuilt the optimizer on the schedule's chunks, so a scheduler instance "

@@ -245,6 +245,11 @@ class MegatronHost:
     def optimizer_step(self, chunks: tuple) -> None:
         pass                  # the caller steps after forward_backward_func returns
 
+    def gather_weights(self, chunk: int) -> None:
+        raise ValueError("sharded data parallelism (ZeRO-2/3) runs on the DeepSpeed engine only")
+
+    wait_weights = release_weights = gather_weights
+
 
 def _pipeline_groups(placement, pp_ranks: list, nccl: bool, timeout_s: float) -> PipelineGroups:
     """The replica (and NCCL edge) groups of every pipeline group of the world, each within its pipeline."""

@@ -70,9 +70,35 @@ def load_layers(engine, path: str, strict: bool = True) -> None:
 
 def layout(engine) -> dict:
     """What decides which parameters (and so which optimizer state) each rank holds."""
-    return {"schedule": engine.schedule.name, "stages": engine.num_stages, "data_parallel": engine.dp_size,
-            "parts": [int(p) for p in engine.plan.parts],
-            "stage_ranks": [[int(r) for r in ranks] for ranks in engine.placement.stage_ranks]}
+    out = {"schedule": engine.schedule.name, "stages": engine.num_stages, "data_parallel": engine.dp_size,
+           "parts": [int(p) for p in engine.plan.parts],
+           "stage_ranks": [[int(r) for r in ranks] for ranks in engine.placement.stage_ranks]}
+    if engine.plan.zero >= 2:
+        out["zero"] = engine.plan.zero         # the optimizer state is in per-rank shards
+    return out
+
+
+def shards_file(engine, directory: str) -> str:
+    return os.path.join(directory, f"ds_chimera_zero_shards-rank{engine.global_rank:04d}.pt")
+
+
+def save_shards(engine, directory: str) -> None:
+    """ZeRO-2/3: this rank's weight shards and the optimizer state over them (DeepSpeed keeps rank 0's only)."""
+    shards = engine.host.shards
+    torch_save_atomic({"shards": [s.detach().clone() for s in shards.shard_params],
+                       "optimizer": engine.optimizer.state_dict()}, shards_file(engine, directory))
+
+
+def load_shards(engine, directory: str) -> None:
+    import torch
+    path = shards_file(engine, directory)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint {directory} has no ZeRO shard file for rank {engine.global_rank} "
+                                f"({path}); load its weights only: load_optimizer_states=False")
+    state = torch.load(path, map_location=engine.device, weights_only=False)
+    for param, saved in zip(engine.host.shards.shard_params, state["shards"], strict=True):
+        param.data.copy_(saved)
+    engine.optimizer.load_state_dict(state["optimizer"])
 
 
 def read_latest(load_dir: str):

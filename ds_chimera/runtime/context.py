@@ -66,3 +66,12 @@ class ExecutionContext(Protocol):
 
     def optimizer_step(self, chunks: tuple) -> None:
         """Apply the optimizer to ``chunks``' parameters and clear their gradients."""
+
+    def gather_weights(self, chunk: int) -> None:
+        """Sharded programs (ZeRO-2/3): post the all-gather of ``chunk``'s weight shards."""
+
+    def wait_weights(self, chunk: int) -> None:
+        """Sharded programs: ``chunk`` is about to compute; wait for its gathered weights."""
+
+    def release_weights(self, chunk: int) -> None:
+        """Sharded programs (ZeRO-3): free ``chunk``'s gathered weights."""

@@ -237,12 +237,15 @@ class ScheduledPipelineEngine(PipelineEngine):
                 return None, None
         if load_optimizer_states and not load_module_only:
             ckpt.check_layout(self, load_dir, tag)
-        with self._guard(f"load_checkpoint {load_dir}/{tag}"):
+        with self._guard(f"load_checkpoint {load_dir}/{tag}"), self.gathered_weights():
             result = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
                                              load_optimizer_states=load_optimizer_states,
                                              load_lr_scheduler_states=load_lr_scheduler_states,
                                              load_module_only=load_module_only, custom_load_fn=custom_load_fn,
                                              **kwargs)
+            if self.host.shards is not None and result[0] is not None:    # the loaded full weights' slices
+                for sharded in self.host.shards.by_chunk.values():
+                    sharded.shard_from_full()
             if self.using_bf16_optimizer:
                 self.optimizer.clip_grad = 0.0     # a loaded state restores DeepSpeed's partial-norm clipping
             if load_optimizer_states and not load_module_only and result[0] is not None and tag is not None:
@@ -251,10 +254,30 @@ class ScheduledPipelineEngine(PipelineEngine):
         return result
 
     def _save_extra_state(self, directory: str) -> None:
-        """State of this rank beyond DeepSpeed's (subclasses: predictor state)."""
+        """State of this rank beyond DeepSpeed's: ZeRO-2/3 shards (subclasses: predictor state)."""
+        if self.host.shards is not None:
+            ckpt.save_shards(self, directory)
 
     def _load_extra_state(self, directory: str) -> None:
         """Counterpart of :meth:`_save_extra_state`; ``directory`` is the loaded tag's."""
+        if self.host.shards is not None:
+            ckpt.load_shards(self, directory)
+
+    def gathered_weights(self):
+        """A context in which every chunk's full weights are present (ZeRO-3 releases them between uses):
+        read them (``owned_layers()``, an export) inside it. Collective over data parallelism."""
+        import contextlib
+        shards = self.host.shards
+
+        @contextlib.contextmanager
+        def gathered():
+            released = shards.gather_all() if shards is not None else []
+            try:
+                yield self
+            finally:
+                for chunk in released:
+                    shards.release(chunk)
+        return gathered()
 
     def _barrier(self, what: str) -> None:
         """A barrier of every rank, bounded by the pipeline timeout."""
@@ -268,7 +291,7 @@ class ScheduledPipelineEngine(PipelineEngine):
         complete save removes what the interrupted one left behind.
         """
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
-        with self._guard(f"save_checkpoint {save_dir}/{tag}"):
+        with self._guard(f"save_checkpoint {save_dir}/{tag}"), self.gathered_weights():
             self._save(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         return True
 

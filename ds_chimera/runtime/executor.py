@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..schedules.actions import (ACT, BACKWARD, BACKWARD_KINDS, FORWARD, GRAD, STEP, WEIGHT_GRAD, Action,
-                                 ClipGrads, CommBatch, GradSync, OptimizerStep, SyncWait)
+                                 ClipGrads, CommBatch, Gather, GradSync, OptimizerStep, Release, SyncWait)
 from .context import ExecutionContext
 from .tensors import as_leaves, as_tuple, pack, versions
 from .tracing import StepTrace, profiler_range
@@ -101,7 +101,9 @@ class StepRun:
         self.losses_left = sum(1 for op in ops if type(op) is Action and op[0] == FORWARD
                                and placement.next_chunk(op[1]) is None) if on_losses is not None else -1
         self.handlers = {Action: self._action, CommBatch: self._comm, GradSync: self._grad_sync,
-                         SyncWait: self._sync_wait, ClipGrads: self._clip, OptimizerStep: self._step}
+                         SyncWait: self._sync_wait, ClipGrads: self._clip, OptimizerStep: self._step,
+                         Gather: self._gather, Release: self._release}
+        self.sharded = any(type(op) is Gather for op in ops)    # compute then waits for its chunk's weights
         self._post_ahead(self.lookahead)
         if self.losses_left == 0:
             on_losses(None)
@@ -129,6 +131,8 @@ class StepRun:
     def _action(self, op) -> None:
         global current_action
         current_action = op
+        if self.sharded:
+            self.ctx.wait_weights(op[1])
         trace = self.trace
         start = trace.clock.mark() if trace is not None else None
         kind = op[0]
@@ -263,6 +267,13 @@ class StepRun:
     def _step(self, op) -> None:
         if self.train:
             self.ctx.optimizer_step(op.chunks)
+
+    # ---- sharded data parallelism: a chunk's weights gathered where the program says --------------
+    def _gather(self, op) -> None:
+        self.ctx.gather_weights(op.chunk)
+
+    def _release(self, op) -> None:
+        self.ctx.release_weights(op.chunk)
 
 
 def split_input_grad(tensors, grads, leaves, blocks):

@@ -69,6 +69,8 @@ class PipelineHost:
         self.pending: list = []
         self.batches: dict = {}
         self._tied_posted = False
+        # ZeRO-2/3: this rank's chunks sharded over data parallelism (see .sharding)
+        self.shards = engine.module._ds_chimera_shards
 
     # ---- the step's data ----------------------------------------------------------------------
     def begin(self, batches: dict, train: bool) -> None:
@@ -94,6 +96,9 @@ class PipelineHost:
     # ---- gradients ------------------------------------------------------------------------------
     def start_grad_sync(self, stage: int) -> None:
         """Post the all-reduce of one stage's gradients; the program calls it right after its last backward."""
+        if self.shards is not None:          # a reduce-scatter into the shards instead of an all-reduce
+            self.shards.reduce_scatter(self.stage_chunk[stage])
+            return
         chunk = self.chunk_modules[self.stage_chunk[stage]]
         group = self.groups.stage.get(stage)
         self._post_allreduce(chunk, group, f"stage {stage}")
@@ -103,6 +108,9 @@ class PipelineHost:
 
     def wait_grad_syncs(self, stages: tuple) -> None:
         """Post the tied weights' syncs (once per step), then wait for every sync posted so far."""
+        if self.shards is not None:
+            self.shards.finish_grads()
+            return
         if not self._tied_posted:
             self._tied_posted = True
             for key in sorted(self.groups.tied):
@@ -142,35 +150,55 @@ class PipelineHost:
         return owned
 
     def _sum_over_pipeline(self, squares) -> None:
-        group = self.engine.grid.get_pipe_parallel_group()
+        """Sum a rank's squared norm over the ranks that hold distinct gradients: the pipeline, or
+        under ZeRO-2/3 (every data-parallel rank a different shard) the whole world."""
+        group = None if self.shards is not None else self.engine.grid.get_pipe_parallel_group()
         wait_or_fail(lambda: dist.all_reduce(squares, group=group, async_op=True), self.timeout_s,
                      "the gradient-norm all-reduce")
 
-    def global_grad_norm(self) -> float:
+    def _norm_grads(self) -> tuple:
+        """(gradients counted in the norm, gradients the clip scales) of this rank."""
+        if self.shards is not None:
+            grads = [p.grad for p in self.shards.shard_params]
+            return grads, grads
         owned = self.owned_params()
-        grads = self.grads(owned) if self.hp_grads else [p.grad for p in owned]
-        return grad_norm(grads, self._sum_over_pipeline, self.device)
+        norm_of = self.grads(owned) if self.hp_grads else [p.grad for p in owned]
+        held = list(self.hp_grads.values()) if self.hp_grads else \
+            [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return norm_of, held
+
+    def global_grad_norm(self) -> float:
+        return grad_norm(self._norm_grads()[0], self._sum_over_pipeline, self.device)
 
     def clip_gradients(self, scope, stage: int) -> None:
         """The global norm over unique parameters (a collective of the pipeline), every step: it is
         reported (``get_global_grad_norm()``) whether or not it clips. ZeRO-1 clips and reports itself."""
         if self.zero1:
             return
-        owned = self.owned_params()
-        norm_of = self.grads(owned) if self.hp_grads else [p.grad for p in owned]
+        norm_of, held = self._norm_grads()
         self.grad_norm = grad_norm(norm_of, self._sum_over_pipeline, self.device)
         if self.max_norm > 0:
-            held = list(self.hp_grads.values()) if self.hp_grads else \
-                [p.grad for p in self.engine.module.parameters() if p.grad is not None]
             scale_to(held, self.max_norm, self.grad_norm)
         self.engine._global_grad_norm = self.grad_norm
 
     def optimizer_step(self, chunks: tuple) -> None:
         self.engine._take_model_step(None)
+        if self.shards is not None:
+            self.shards.stepped()
         if self.grad_norm is not None and not self.zero1:
             # DeepSpeed's step reads its optimizer's own norm (BF16_Optimizer's covers this rank's
             # part only); the step's norm is the one the program's CLIP computed
             self.engine._global_grad_norm = self.grad_norm
+
+    # ---- ZeRO-2/3: the chunks' weights, gathered and released where the program says ----------
+    def gather_weights(self, chunk: int) -> None:
+        self.shards.gather(chunk)
+
+    def wait_weights(self, chunk: int) -> None:
+        self.shards.wait(chunk)
+
+    def release_weights(self, chunk: int) -> None:
+        self.shards.release(chunk)
 
     # ---- ZeRO-1: each chunk's gradients go to their optimizer partitions when the chunk is done ----
     def _zero1_start(self) -> None:

@@ -87,6 +87,11 @@ class LocalHost:
         for chunk in chunks:
             self.pipeline.step_stage(chunk)
 
+    def gather_weights(self, chunk: int) -> None:
+        raise ValueError("sharded data parallelism (ZeRO-2/3) runs on the DeepSpeed engine only")
+
+    wait_weights = release_weights = gather_weights
+
 
 class LocalPipeline:
     """``stages[s]`` is stage s's module and ``optimizers[s]`` its optimizer (one route of stages)."""

@@ -18,7 +18,8 @@ from ..validation import check_choice, check_seconds, unknown_key_error
 # keys of the "pipeline" section that DeepSpeed itself owns
 DEEPSPEED_PIPELINE_KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_interval",
                            "pipe_partitioned", "grad_partitioned", "use_reentrant"}
-RUNTIME_KEYS = {"schedule", "program", "timeout", "trace_dir", "partition_method", "zero1_reduce"}
+RUNTIME_KEYS = {"schedule", "program", "timeout", "trace_dir", "partition_method", "zero1_reduce",
+                "reshard_after_forward"}
 ZERO1_REDUCE = ("chunk", "end")     # ZeRO-1: reduce each chunk's gradients when it is done, or all at the end
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -33,6 +34,7 @@ class Plan:
     trace_dir: str | None
     clip: float
     zero1_reduce: str = "chunk"
+    zero: int = 0                    # 2 or 3: the programs gather and release chunks' weight shards
 
     @property
     def placement(self):
@@ -134,11 +136,12 @@ def micro_batches_from_config(config: dict, dp: int) -> int:
     return 1
 
 
-def check_precision_and_zero(config: dict, schedule: Schedule | None = None) -> None:
+def check_precision_and_zero(config: dict, schedule: Schedule | None = None, sharding: bool = False) -> None:
     """fp16 and ZeRO limits of ds_chimera schedules, refused before any work (DeepSpeed and the HF Trainer).
 
     With ``schedule``, also ZeRO-1 on a placement whose stages are replicated (Chimera):
-    ZeRO-1's gradient norm would count the replicas twice.
+    ZeRO-1's gradient norm would count the replicas twice. ``sharding``: the caller runs
+    ZeRO-2/3 itself (the DeepSpeed engine, :mod:`.sharding`); their limits are checked too.
     """
     fp16 = config.get("fp16") or {}
     autocast = config.get("torch_autocast") or {}
@@ -148,8 +151,13 @@ def check_precision_and_zero(config: dict, schedule: Schedule | None = None) -> 
         raise ValueError("fp16 training (loss scaling) is not supported by ds_chimera schedules yet; "
                          "use bf16 (\"bf16\": {\"enabled\": true}) or fp32")
     zero = (config.get("zero_optimization") or {}).get("stage", 0)
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f'"zero_optimization": {{"stage": ...}} must be 0, 1, 2 or 3; got {zero!r}')
+    if zero >= 2 and not sharding:
+        raise ValueError(f"ZeRO stage {zero} with pipeline schedules runs on ds_chimera's DeepSpeed engine only; "
+                         f"here use stage 0 or 1")
     if zero >= 2:
-        raise ValueError(f"ZeRO stage {zero} does not compose with pipeline schedules; use stage 0 or 1")
+        check_sharding(config, zero, schedule)
     if schedule is None or zero != 1:
         return
     placement = schedule.placement
@@ -158,6 +166,22 @@ def check_precision_and_zero(config: dict, schedule: Schedule | None = None) -> 
         raise ValueError(f"ZeRO stage 1 with schedule {schedule.name!r} is not supported: its stages are "
                          f"replicated across pipeline ranks (stages {replicated[:4]}...), and ZeRO-1's gradient "
                          f"norm would count them twice; use ZeRO stage 0 or a schedule without replicas")
+
+
+def check_sharding(config: dict, zero: int, schedule: Schedule | None) -> None:
+    """What ZeRO-2/3 with a pipeline schedule cannot do (yet), refused with the reason."""
+    if (config.get("bf16") or config.get("bfloat16") or {}).get("enabled"):
+        raise ValueError(f"ZeRO stage {zero} with pipeline schedules shards fp32 weights; bf16 is not supported "
+                         f"with it yet: use fp32, or ZeRO stage 0/1 with bf16")
+    if schedule is None:
+        return
+    if not schedule.synchronous:
+        raise ValueError(f"ZeRO stage {zero} with schedule {schedule.name!r}: an asynchronous schedule steps each "
+                         f"stage alone with its whole optimizer state (and weight versions); use ZeRO stage 0")
+    if schedule.placement.num_replicas > 1:
+        raise ValueError(f"ZeRO stage {zero} with schedule {schedule.name!r}: its stages are replicated across "
+                         f"pipeline ranks, and a shard would have to span the replicas too; use a single-route "
+                         f"schedule (breadth-first, interleaved, 1f1b, zbv...) or ZeRO stage 0/1")
 
 
 def proven_programs(schedule: Schedule) -> tuple:
@@ -193,10 +217,32 @@ def make_plan(config: dict, num_stages: int, dp: int, num_layers: int, parts_fn)
         raise ValueError(f"schedule {name!r} cuts the model into {schedule.placement.num_stages} stages "
                          f"but the PipelineModule has only {num_layers} layers")
     program, eval_program = proven_programs(schedule)
+    zero = (config.get("zero_optimization") or {}).get("stage", 0)
+    reshard = runtime.get("reshard_after_forward", True)
+    if not isinstance(reshard, bool):
+        raise ValueError(f'"pipeline": reshard_after_forward must be true or false, got {reshard!r}')
+    if zero >= 2:
+        check_sharding(config, zero, schedule)
+        program, eval_program = sharded_programs(program, eval_program, zero, reshard)
+    elif "reshard_after_forward" in runtime:
+        raise ValueError('"pipeline": reshard_after_forward applies to ZeRO stage 3 only; this config runs '
+                         f"ZeRO stage {zero}")
     parts = parts_fn(schedule.placement.num_stages, runtime.get("partition_method"))
     clip = float(config.get("gradient_clipping", 0.0))       # DeepSpeed's default: no clipping
     zero1_reduce = check_choice('"pipeline"', "zero1_reduce", runtime.get("zero1_reduce", "chunk"), ZERO1_REDUCE)
-    return Plan(schedule, program, eval_program, parts, timeout, trace_dir, clip, zero1_reduce)
+    return Plan(schedule, program, eval_program, parts, timeout, trace_dir, clip, zero1_reduce, zero)
+
+
+def sharded_programs(program: Program, eval_program: Program, zero: int, reshard: bool) -> tuple:
+    """The programs with their GATHER and RELEASE ops (ZeRO-2/3); the training one proven again
+    (the forward-only one has no backward for the simulator's completeness check)."""
+    from ..schedules.sharding import shard
+    sharded = shard(program, zero, reshard)
+    proof = simulate(sharded)
+    if not proof.valid:
+        raise ValueError(f"internal error: the ZeRO-{zero} program of {program.name!r} is invalid: "
+                         f"{(proof.errors or list(proof.deadlock.values()))[:3]}")
+    return sharded, shard(eval_program, zero, reshard)
 
 
 def check_writable_dir(where: str, name: str, path) -> str:

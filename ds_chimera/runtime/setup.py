@@ -38,12 +38,14 @@ def prepare_module(module, config: dict, model_parameters):
             return list(module.parts)          # the user's own cut, whatever method made it
         return partition(module, num_parts, method or _infer_method(module, num_stages))
 
-    check_precision_and_zero(config)
+    check_precision_and_zero(config, sharding=True)
     plan = make_plan(config, num_stages, dp, len(module._layer_specs), parts_fn)
-    check_precision_and_zero(config, plan.schedule)
+    check_precision_and_zero(config, plan.schedule, sharding=True)
     zero = (config.get("zero_optimization") or {}).get("stage", 0)
     if zero == 1:
         _refuse_cross_rank_ties(module, plan)
+    if zero >= 2:
+        _refuse_ties_under_sharding(module, zero)
     if not plan.schedule.synchronous:
         _check_async_setup(module, plan, config, zero)
     bf16 = config.get("bf16") or config.get("bfloat16") or {}
@@ -70,13 +72,30 @@ def prepare_module(module, config: dict, model_parameters):
     module.ds_chimera_chunks = chunks
     module.ds_chimera_tied = tied
     module._ds_chimera_plan = plan
+    module._ds_chimera_shards = None
     for p in module.parameters():
         p.ds_pipe_replicated = False
     if dist.get_rank() == 0:
         cut = ", ".join(f"stage {s}: layers [{plan.parts[s]}, {plan.parts[s + 1]})"
                         for s in range(plan.placement.num_stages))
         log.info("schedule %r; %s", plan.schedule, cut)
-    return _remap_parameters(module, model_parameters, old_params)
+    params = _remap_parameters(module, model_parameters, old_params)
+    if zero >= 2:
+        # the optimizer steps this rank's shards: one flat 1/DP slice per chunk (see .sharding)
+        from .sharding import ChunkShards
+        shards = ChunkShards({chunk.index: chunk for chunk in chunks}, grid.get_data_parallel_group(),
+                             grid.get_data_parallel_id(), dp, zero, plan.timeout_s)
+        module._ds_chimera_shards = shards
+        params = shards.shard_params
+    return params
+
+
+def _refuse_ties_under_sharding(module, zero: int) -> None:
+    from deepspeed.runtime.pipe.module import TiedLayerSpec
+    tied = sorted({spec.key for spec in module._layer_specs if isinstance(spec, TiedLayerSpec)})
+    if tied:
+        raise ValueError(f"ZeRO stage {zero} with weights tied across layers ({', '.join(tied)}) is not supported: "
+                         f"a tied weight would belong to two chunks' shards; untie them or use ZeRO stage 0/1")
 
 
 def _check_async_setup(module, plan, config: dict, zero: int) -> None:

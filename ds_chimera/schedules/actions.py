@@ -13,6 +13,8 @@ A lowered program is the whole training step of one rank:
     SYNC_WAIT  wait for the posted syncs of some stages
     CLIP       clip the gradients (the global norm, or one stage's own)
     STEP       the optimizer step of some chunks
+    GATHER     post the all-gather of a chunk's sharded weights (sharded data parallelism)
+    RELEASE    free a chunk's gathered weights
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ class OpKind(StrEnum):
     SYNC_WAIT = "SYNC_WAIT"
     CLIP = "CLIP"
     STEP = "STEP"
+    GATHER = "GATHER"
+    RELEASE = "RELEASE"
 
 
 class ClipScope(StrEnum):
@@ -180,7 +184,31 @@ class OptimizerStep(NamedTuple):
         return f"STEP chunks={_ints(self.chunks)}"
 
 
-OPS = (Action, CommBatch, GradSync, SyncWait, ClipGrads, OptimizerStep)
+class Gather(NamedTuple):
+    """Post the all-gather of ``chunk``'s weight shards over data parallelism (ZeRO-2/3).
+
+    Non-blocking: posted a compute op ahead of the chunk's use, so it overlaps the
+    previous chunk's compute; the chunk's next compute waits for it.
+    """
+
+    chunk: int
+    code = OpKind.GATHER
+
+    def __str__(self) -> str:
+        return f"GATHER chunk={self.chunk}"
+
+
+class Release(NamedTuple):
+    """Free ``chunk``'s gathered weights (ZeRO-3): only its shard stays until the next GATHER."""
+
+    chunk: int
+    code = OpKind.RELEASE
+
+    def __str__(self) -> str:
+        return f"RELEASE chunk={self.chunk}"
+
+
+OPS = (Action, CommBatch, GradSync, SyncWait, ClipGrads, OptimizerStep, Gather, Release)
 _OP_WORDS = {k.value for k in OpKind}
 
 
@@ -217,6 +245,10 @@ def parse_op(text: str):
         if head == OpKind.CLIP:
             scope = ClipScope(fields["scope"])
             return ClipGrads(scope, int(fields["stage"]) if scope == ClipScope.STAGE else -1)
+        if head == OpKind.GATHER:
+            return Gather(int(fields["chunk"]))
+        if head == OpKind.RELEASE:
+            return Release(int(fields["chunk"]))
         return OptimizerStep(_int_list(fields["chunks"]))
     except KeyError as missing:
         raise ValueError(f"op {text!r} lacks the field {missing}") from None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
 
-COST_NAMES = ("fwd", "bwd", "wgrad", "comm", "allreduce", "send", "recv", "sync_post")
+COST_NAMES = ("fwd", "bwd", "wgrad", "comm", "allreduce", "send", "recv", "sync_post", "gather")
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,9 @@ class Costs:
     time to post one message and to take one that has arrived (the runtime's per-message
     cost on the host: negligible next to GPU kernels, a visible share on CPU ranks), and
     ``sync_post`` its own time to post one gradient sync (gather the stage's gradients,
-    post the all-reduce): the rank computes nothing meanwhile.
+    post the all-reduce): the rank computes nothing meanwhile. ``gather`` is the time to
+    all-gather one stage's worth of sharded weights (ZeRO-2/3; a chunk pays it times its
+    size); under sharding ``allreduce`` prices the gradients' reduce-scatter.
     """
 
     fwd: float = 1.0
@@ -35,6 +37,7 @@ class Costs:
     send: float = 0.0
     recv: float = 0.0
     sync_post: float = 0.0
+    gather: float = 0.0
 
     def __post_init__(self):
         for name in COST_NAMES:

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..schedules.actions import (BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, Action, ClipGrads, ClipScope,
-                                 CommBatch, GradSync, OptimizerStep, SyncWait)
+                                 CommBatch, Gather, GradSync, OptimizerStep, Release, SyncWait)
 from ..schedules.costs import UNIT_COSTS, Costs  # noqa: F401  (Costs is part of the simulator's API)
 from ..schedules.lowering import Program, gc_paused
 
@@ -38,6 +38,8 @@ class SimResult:
     deadlock: dict = field(default_factory=dict)
     records: list = field(default_factory=list)   # (rank, kind, chunk, mb, start, end)
     sync_records: list = field(default_factory=list)   # (rank, stage, post, done)
+    gathers: list = field(default_factory=list)         # sharded programs: chunk all-gathers per rank
+    peak_gathered: list = field(default_factory=list)   # ... most gathered weights at once, in stage units
 
     @property
     def valid(self) -> bool:
@@ -55,6 +57,8 @@ class SimResult:
             "peak_activations": [round(a, 9) for a in self.peak_activations],
             "weights_per_rank": self.weights_per_rank, "valid": self.valid,
             "errors": self.errors[:20], "deadlock": {str(k): v for k, v in self.deadlock.items()},
+            **({"gathers": self.gathers, "peak_gathered": [round(g, 9) for g in self.peak_gathered]}
+               if self.gathers else {}),
         }
 
     def start_times(self) -> dict:
@@ -111,6 +115,9 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
     clip_posted = [-1] * num_ranks                 # op index of the rank's current global clip
     clip_arrivals: dict = {}                       # clip round -> {rank: arrival time}
     stepped = [set() for _ in range(num_ranks)]    # chunks each rank stepped with an OptimizerStep
+    sharded = any(type(op) is Gather for ops in program.ops for op in ops)
+    resident = [dict() for _ in range(num_ranks)]  # sharded: chunk -> time its gathered weights are there
+    gathers, gathered_peak = [0] * num_ranks, [0.0] * num_ranks
     group_orders: dict = {}             # (group, rank) -> stages in posting order
 
     pc = [0] * num_ranks
@@ -160,6 +167,12 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                     continue
                 if mine[idx] is not None:
                     error(f"rank {r}: {op} runs twice")
+                if sharded:
+                    ready = resident[r].get(c)
+                    if ready is None:
+                        error(f"rank {r}: {op} computes without chunk {c}'s weights (no GATHER, or after RELEASE)")
+                    elif ready > t:
+                        t = ready
                 if kind == FORWARD:
                     p = prv[c]
                     if p is not None:
@@ -298,6 +311,18 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                     t = max(t, max(arrived.values()))
                 elif op.stage not in stage_chunks_on[r]:
                     error(f"rank {r}: clips stage {op.stage}, which it does not hold")
+            elif type(op) is Gather:
+                if not 0 <= op.chunk < nch or chunk_rank[op.chunk] != r:
+                    error(f"rank {r}: gathers chunk {op.chunk}, which it does not hold")
+                elif op.chunk in resident[r]:
+                    error(f"rank {r}: gathers chunk {op.chunk} while its weights are already gathered")
+                else:
+                    resident[r][op.chunk] = t + costs.gather * size     # posted: it overlaps what follows
+                    gathers[r] += 1
+                    gathered_peak[r] = max(gathered_peak[r], len(resident[r]) * size)
+            elif type(op) is Release:
+                if resident[r].pop(op.chunk, None) is None:
+                    error(f"rank {r}: releases chunk {op.chunk}, whose weights are not gathered")
             elif type(op) is OptimizerStep:
                 for c in op.chunks:
                     if not 0 <= c < nch or chunk_rank[c] != r:
@@ -339,7 +364,7 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
     ideal = num_mbs * (costs.fwd + costs.bwd)
     return SimResult(program.name, num_ranks, num_mbs, chunks_per_rank, max(clock) if clock else 0.0,
                      ideal, busy, peak, program.weights or placement.weights_per_rank(), errors, deadlock, records,
-                     sync_records)
+                     sync_records, gathers if sharded else [], gathered_peak if sharded else [])
 
 
 def _describe_wait(program, rank, index, messages, sync_posts, sync_groups) -> str:

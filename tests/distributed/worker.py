@@ -162,6 +162,104 @@ def train_and_compare(schedule, stages, dp, n, steps=3, tied=False, clip=0.5, ac
     return result
 
 
+def zero_compare(schedule, stages, dp, n, zero, steps=3, clip=0.5, **options):
+    """ZeRO-2/3 (sharded chunks) with Adam and the clip active, against one-process training:
+    weights, losses and gradient norms; the gathers per step and the peak memory."""
+    specs = mlp_specs(16)
+    cfg = config(schedule, n, dp, clip, **options)
+    cfg["zero_optimization"] = {"stage": zero}
+    net = PipelineModule(layers=specs, num_stages=stages, loss_fn=torch.nn.MSELoss(), partition_method="uniform",
+                         seed_layers=True, base_seed=BASE_SEED)
+    engine, _, _, _ = deepspeed.initialize(model=net, config=cfg, optimizer=lambda p: torch.optim.Adam(p, lr=0.01))
+    shards = engine.host.shards
+    global_batches = make_global_batches(n * dp)
+    losses, norms, gathers = [], [], []
+    for s in range(steps):
+        before = shards.gathers()
+        losses.append(engine.train_batch(iter(my_batches(engine, global_batches, s, n))).item())
+        norms.append(float(engine.get_global_grad_norm()))
+        gathers.append(shards.gathers() - before)
+    ref_layers = build_reference(specs)
+    params = reference_params(ref_layers)
+    opt = torch.optim.Adam(params, lr=0.01)
+    ref_losses, ref_norms = [], []
+    for s in range(steps):
+        opt.zero_grad()
+        batches, total = global_batches(s), 0.0
+        for x, y in batches:
+            loss = torch.nn.functional.mse_loss(_forward_grad(ref_layers, x), y) / len(batches)
+            loss.backward()
+            total += loss.item()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
+        opt.step()
+        ref_losses.append(total)
+    with engine.gathered_weights():
+        counted = {}
+        diff = max_param_diff(engine, ref_layers, counted)
+    eval_loss = engine.eval_batch(iter(my_batches(engine, global_batches, steps, n))).item()
+    ref_eval = sum(torch.nn.functional.mse_loss(_forward(ref_layers, x), y).item()
+                   for x, y in global_batches(steps)) / (n * dp)
+    return {"max_param_diff": diff, "compared_tensors": counted["tensors"], "losses": losses,
+            "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms, "clip": clip, "gathers": gathers,
+            "eval_diff": abs(eval_loss - ref_eval), "program_gathers": sum(
+                1 for op in engine.plan.program.ops[engine.pipe_rank] if type(op).__name__ == "Gather"),
+            "peak": shards.peak, "shard_bytes": shards.memory()["shards"],
+            "full_bytes": sum(s.nbytes for s in shards.by_chunk.values())}
+
+
+def zero_checkpoint(schedule, zero, n=4, **options):
+    """Save under ZeRO-3 and resume exactly; load the weights into an unsharded run, and back."""
+    specs, global_batches = mlp_specs(16), make_global_batches(n * 2)
+    holder = [tempfile.mkdtemp(prefix="dsc_ckpt_") if tdist.get_rank() == 0 else None]
+    tdist.broadcast_object_list(holder, src=0)
+    root = holder[0]
+
+    def engine_for(stage):
+        cfg = config(schedule, n, 2, 0.5, **options)
+        cfg["zero_optimization"] = {"stage": stage}
+        net = PipelineModule(layers=specs, num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="uniform",
+                             seed_layers=True, base_seed=BASE_SEED)
+        return deepspeed.initialize(model=net, config=cfg, optimizer=lambda p: torch.optim.Adam(p, lr=0.01))[0]
+
+    def weights(engine):
+        with engine.gathered_weights():
+            return {idx: [p.detach().clone() for p in obj.parameters()] for idx, obj in local_layers(engine).items()
+                    if isinstance(obj, torch.nn.Module)}
+
+    def diff(a, b):
+        worst = max((p - q).abs().max().item() for idx in a for p, q in zip(a[idx], b[idx], strict=True))
+        t = torch.tensor([worst])
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        return t.item()
+    a = engine_for(zero)
+    for s in range(2):
+        a.train_batch(iter(my_batches(a, global_batches, s, n)))
+    a.save_checkpoint(root, tag="z")
+    saved = weights(a)
+    for s in range(2, 4):
+        a.train_batch(iter(my_batches(a, global_batches, s, n)))
+    b = engine_for(zero)                       # the same layout: weights, shards and optimizer state
+    b.load_checkpoint(root)
+    for s in range(2, 4):
+        b.train_batch(iter(my_batches(b, global_batches, s, n)))
+    c = engine_for(0)                          # an unsharded run takes the weights
+    c.load_checkpoint(root, load_optimizer_states=False, load_lr_scheduler_states=False)
+    c.save_checkpoint(root, tag="plain")
+    d = engine_for(zero)                       # ... and a sharded one takes them back
+    d.load_checkpoint(root, tag="plain", load_optimizer_states=False, load_lr_scheduler_states=False)
+    result = {"resume_diff": diff(weights(a), weights(b)), "to_plain_diff": diff(saved, weights(c)),
+              "back_diff": diff(saved, weights(d))}
+    try:
+        engine_for(0).load_checkpoint(root, tag="z")
+        result["refusal"] = None
+    except ValueError as exc:
+        result["refusal"] = str(exc)
+    tdist.barrier()
+    if tdist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return result
+
+
 def _forward(layers, x):
     with torch.no_grad():
         for layer in layers:
@@ -318,8 +416,23 @@ def bad_config(kind):
         elif kind == "zero1-reduce":
             make_engine(4, config("breadth-first", 8, 1, zero1_reduce="later"), specs)
         elif kind == "zero2":
-            cfg = config("breadth-first", 8, 1)
+            cfg = config("chimera", 8, 1)
             cfg["zero_optimization"] = {"stage": 2}
+            make_engine(4, cfg, specs)
+        elif kind == "zero3-async":
+            cfg = config("pipeoptim", 8, 1)
+            cfg["zero_optimization"] = {"stage": 3}
+            make_engine(4, cfg, specs)
+        elif kind == "zero3-bf16":
+            cfg = config("breadth-first", 8, 1)
+            cfg.update(zero_optimization={"stage": 3}, bf16={"enabled": True})
+            make_engine(4, cfg, specs)
+        elif kind == "zero3-tied":
+            cfg = config("zbv", 8, 1)
+            cfg["zero_optimization"] = {"stage": 3}
+            make_engine(4, cfg, mlp_specs(16, tied=True))
+        elif kind == "reshard-zero1":
+            cfg = config("breadth-first", 8, 1, reshard_after_forward=False)
             make_engine(4, cfg, specs)
     except ValueError as exc:
         return {"error": str(exc)}
@@ -431,32 +544,62 @@ def async_engine(schedule, stages, dp, n, specs, optimizer, clip=0.0, bf16=False
     return engine
 
 
-def async_versus_local(schedule, stages, dp, n, calls=2, bf16=False, **options):
-    """The asynchronous engine against LocalPipeline (one process, fp32) on the same global mini-batches."""
+def async_model(schedule, stage_modules, clip, **options):
+    """The independent model of the method (tests/distributed/async_reference.py), on ``stage_modules``."""
+    from async_reference import SGD, AsyncReference
+    return AsyncReference(schedule, stage_modules, lambda: SGD(LR, momentum=0.9), clip=clip,
+                          steps_ahead=options.get("steps_ahead", "paper"),
+                          predictor="last-update" if options.get("predictor") == "last-update" else "optimizer",
+                          smoothing=options.get("smoothing", 0.9), update_interval=options.get("update_interval"))
+
+
+def async_versus_local(schedule, stages, dp, n, calls=2, bf16=False, clip=NO_CLIP, **options):
+    """The asynchronous engine against the independent model of its method (async_reference) and against
+    LocalPipeline (one process, fp32), on the same global mini-batches. Unclipped by default (NO_CLIP: each
+    stage's norm is computed, never applied), so that a wrong gradient scale moves the weights."""
+    from async_reference import versions_held
     from ds_chimera.runtime.local import LocalPipeline
     from ds_chimera.schedules import registry
     specs = mlp_specs(16)
     make_opt = lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9)  # noqa: E731
-    engine = async_engine(schedule, stages, dp, n, specs, make_opt, clip=0.5, bf16=bf16, **options)
+    engine = async_engine(schedule, stages, dp, n, specs, make_opt, clip=clip, bf16=bf16, **options)
     global_batches = make_global_batches(n * dp)
     cast = (lambda b: [(x.bfloat16(), y.bfloat16()) for x, y in b]) if bf16 else (lambda b: b)
-    losses = [engine.train_batch(iter(cast(my_batches(engine, global_batches, s, n)))).item() for s in range(calls)]
-    ref_layers = build_reference(specs)
+    losses, norms = [], []
+    for s in range(calls):
+        losses.append(engine.train_batch(iter(cast(my_batches(engine, global_batches, s, n)))).item())
+        norm = engine.get_global_grad_norm()          # this rank's stage, its call's last update
+        norms.append(None if norm is None else float(norm))
     parts = engine.plan.parts
+    # data-parallel replicas' micro-batch i together make mini-batch i
+    mini_batches = [[(torch.cat([b[d * n + i][0] for d in range(dp)]), torch.cat([b[d * n + i][1] for d in range(dp)]))
+                     for i in range(n)] for b in map(global_batches, range(calls))]
+    ref_layers = build_reference(specs)
     stage_modules = [torch.nn.Sequential(*ref_layers[parts[k]:parts[k + 1]]) for k in range(stages)]
     local = LocalPipeline(registry.build(schedule, stages, n, **options), stage_modules,
-                          [make_opt(m.parameters()) for m in stage_modules], torch.nn.functional.mse_loss, clip=0.5)
-    ref_losses = []
-    for s in range(calls):
-        b = global_batches(s)      # data-parallel replicas' micro-batch i together make mini-batch i
-        ref_losses.append(local.train_batch([(torch.cat([b[d * n + i][0] for d in range(dp)]),
-                                              torch.cat([b[d * n + i][1] for d in range(dp)])) for i in range(n)]))
+                          [make_opt(m.parameters()) for m in stage_modules], torch.nn.functional.mse_loss, clip=clip)
+    ref_losses = [local.train_batch(batches) for batches in mini_batches]
+    model_layers = build_reference(specs)
+    model = async_model(schedule, [torch.nn.Sequential(*model_layers[parts[k]:parts[k + 1]]) for k in range(stages)],
+                        clip, **options)
+    model_losses = [model.train_call(batches) for batches in mini_batches]
     held = torch.tensor([engine.weight_versions_held()])
     gathered = [torch.zeros_like(held) for _ in range(tdist.get_world_size())]
     tdist.all_gather(gathered, held)
+    stage, counted = engine.grid.get_stage_id(), {}
+    updates = len(model.norms[stage]) // calls          # per call
     return {"max_param_diff": max_param_diff(engine, ref_layers), "losses": losses, "ref_losses": ref_losses,
             "max_loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-            "versions_held": [int(g) for g in gathered], "stage_of_rank": [engine.grid.get_stage_id()],
+            "model_param_diff": max_param_diff(engine, model_layers, counted),
+            "compared_tensors": counted["tensors"],
+            "reference_tensors": sum(1 for layer in model_layers for _ in layer.parameters()),
+            "model_losses": model_losses, "model_loss_diff": max(abs(a - b) for a, b in zip(losses, model_losses)),
+            "norms": norms, "model_norms": [model.norms[stage][(c + 1) * updates - 1] for c in range(calls)],
+            "clip": clip, "updates_clipped": sum(x > clip for norms in model.norms for x in norms),
+            "updates": sum(map(len, model.norms)),
+            "model_versions_held": versions_held(schedule, stages, n, options.get("update_interval"),
+                                                 options.get("steps_ahead", "paper")),
+            "versions_held": [int(g) for g in gathered], "stage_of_rank": [stage],
             "global_steps": engine.global_steps}
 
 
@@ -478,15 +621,16 @@ def async_probe(schedule, n=8, calls=3, bf16=False, **options):
     return {"log": [e for part in gathered for e in part], "calls": calls, "n": n}
 
 
-def async_continuous(schedule, n=8, calls=2, **options):
-    """fill='continuous': calls that keep the pipeline full, then drain(), against one LocalPipeline call
-    over the same mini-batches (a plain asynchronous 1F1B of calls*N + D-1 mini-batches)."""
+def async_continuous(schedule, n=8, calls=2, clip=NO_CLIP, **options):
+    """fill='continuous': calls that keep the pipeline full, then drain(), against one call over the same
+    mini-batches (a plain asynchronous 1F1B of calls*N + D-1 mini-batches) of the independent model
+    (async_reference) and of LocalPipeline."""
     from ds_chimera.runtime.local import LocalPipeline
     from ds_chimera.schedules import registry
     specs, stages = mlp_specs(16), 4
     total = calls * n + stages - 1
     make_opt = lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9)  # noqa: E731
-    engine = async_engine(schedule, stages, 1, n, specs, make_opt, clip=0.5, fill="continuous", **options)
+    engine = async_engine(schedule, stages, 1, n, specs, make_opt, clip=clip, fill="continuous", **options)
     data = make_global_batches(total)(0)
     stream = iter(data)
     losses = [engine.train_batch(stream).item() for _ in range(calls)]
@@ -495,10 +639,18 @@ def async_continuous(schedule, n=8, calls=2, **options):
     parts = engine.plan.parts
     modules = [torch.nn.Sequential(*ref_layers[parts[k]:parts[k + 1]]) for k in range(stages)]
     local = LocalPipeline(registry.build(schedule, stages, total, **options), modules,
-                          [make_opt(m.parameters()) for m in modules], torch.nn.functional.mse_loss, clip=0.5)
+                          [make_opt(m.parameters()) for m in modules], torch.nn.functional.mse_loss, clip=clip)
     ref_mean = local.train_batch(data)
+    model_layers = build_reference(specs)
+    model = async_model(schedule, [torch.nn.Sequential(*model_layers[parts[k]:parts[k + 1]]) for k in range(stages)],
+                        clip, **options)
+    model_mean = model.train_call(data)
     mean = (sum(losses) * n + drained * (stages - 1)) / total
+    counted = {}
     return {"max_param_diff": max_param_diff(engine, ref_layers), "mean_loss": mean, "ref_mean_loss": ref_mean,
+            "model_param_diff": max_param_diff(engine, model_layers, counted), "model_mean_loss": model_mean,
+            "compared_tensors": counted["tensors"],
+            "reference_tensors": sum(1 for layer in model_layers for _ in layer.parameters()),
             "global_steps": engine.global_steps, "total": total}
 
 
@@ -506,6 +658,7 @@ SCENARIOS = {}
 SCENARIOS["async-continuous-pipeoptim"] = lambda: async_continuous("pipeoptim")
 SCENARIOS["async-continuous-pipedream"] = lambda: async_continuous("pipedream")
 SCENARIOS["async-continuous-spectrain-code"] = lambda: async_continuous("spectrain", steps_ahead="code")
+ASYNC_CLIP = 0.3
 ASYNC = {"pipedream": {}, "pipedream-2bw": {}, "pipeoptim": {}, "spectrain": {},
          "pipeoptim-code": {"steps_ahead": "code"}, "pipeoptim-last": {"predictor": "last-update"}}
 for key, opts in ASYNC.items():
@@ -517,6 +670,9 @@ for key, opts in ASYNC.items():
 SCENARIOS["async-bf16-4x1-pipeoptim"] = lambda: async_versus_local("pipeoptim", 4, 1, 8, bf16=True)
 SCENARIOS["async-bf16-4x1-spectrain"] = lambda: async_versus_local("spectrain", 4, 1, 8, bf16=True)
 SCENARIOS["async-bf16-2x2-pipedream"] = lambda: async_versus_local("pipedream", 2, 2, 4, bf16=True)
+# per-stage clipping (each stage's own norm), active on some updates and not on others
+SCENARIOS["async-clipped-4x1-pipeoptim"] = lambda: async_versus_local("pipeoptim", 4, 1, 8, clip=ASYNC_CLIP)
+SCENARIOS["async-clipped-2x2-pipedream"] = lambda: async_versus_local("pipedream", 2, 2, 4, clip=ASYNC_CLIP)
 SCENARIOS["async-bf16-probe-pipeoptim"] = lambda: async_probe("pipeoptim", bf16=True)
 SCENARIOS["async-bf16-probe-pipedream-2bw"] = lambda: async_probe("pipedream-2bw", bf16=True)
 SCENARIOS["async-ckpt-resume-pipeoptim"] = lambda: checkpoint_resume("pipeoptim", 4, 1, 8, predictor="last-update")
@@ -578,6 +734,17 @@ SCENARIOS["ckpt-cross-chimera-to-1f1b"] = lambda: checkpoint_resume("chimera", 4
 SCENARIOS["ckpt-cross-chimera-to-stock"] = lambda: checkpoint_resume("chimera", 4, 1, 8, load_schedule="stock")
 SCENARIOS["ckpt-cross-zbv-to-interleaved"] = lambda: checkpoint_resume("zbv", 4, 1, 8, load_schedule="interleaved")
 SCENARIOS["stock-clipping"] = stock_clipping
+# ZeRO-2/3 (sharded chunks): 2 stages x 2 data-parallel for every single-route synchronous schedule
+for key, opts in {"gpipe": {}, "1f1b": {}, "interleaved": {"chunks": 2}, "breadth-first": {"chunks": 2},
+                  "zb-h1": {}, "zbv": {}, "dualpipev": {}}.items():
+    for zero in (2, 3):
+        SCENARIOS[f"zero{zero}-2x2-{key}"] = (lambda key=key, opts=opts, zero=zero:
+                                              zero_compare(key, 2, 2, 4, zero, **opts))
+SCENARIOS["zero3-4x1-breadth-first"] = lambda: zero_compare("breadth-first", 4, 1, 8, 3, chunks=2)
+SCENARIOS["zero3-4x1-zbv"] = lambda: zero_compare("zbv", 4, 1, 8, 3)
+SCENARIOS["zero3-2x2-breadth-first-keep"] = lambda: zero_compare("breadth-first", 2, 2, 4, 3, chunks=2,
+                                                                 reshard_after_forward=False)
+SCENARIOS["zero3-ckpt-breadth-first"] = lambda: zero_checkpoint("breadth-first", 3, chunks=2)
 SCENARIOS["interop-stock-to-1f1b"] = lambda: stock_interop("stock", "1f1b")
 SCENARIOS["interop-1f1b-to-stock"] = lambda: stock_interop("1f1b", "stock")
 SCENARIOS["interop-stock-to-gpipe"] = lambda: stock_interop("stock", "gpipe")
@@ -605,6 +772,7 @@ for key, opts in {"1f1b": {}, "gpipe": {}, "interleaved": {"chunks": 2}, "breadt
     SCENARIOS[f"equiv-1x1-{key}"] = (lambda key=key, opts=opts: train_and_compare(key, 1, 1, 4, **opts))
     SCENARIOS[f"bf16-1x1-{key}"] = (lambda key=key, opts=opts: train_and_compare(key, 1, 1, 4, bf16=True, **opts))
 for kind in ("unknown", "pipelines", "interleaved-n", "option", "zero1-chimera", "zero1-tied", "zero2", "zero1-reduce",
+             "zero3-async", "zero3-bf16", "zero3-tied", "reshard-zero1",
              "fp16", "batch-split",
              "load-other-schedule", "async-tied", "async-actckpt", "async-bf16", "async-steps-ahead"):
     SCENARIOS[f"bad-{kind}"] = (lambda kind=kind: bad_config(kind))
