@@ -47,6 +47,15 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost-send", type=float, default=0.0, help="sender's own time to post one p2p message")
     p.add_argument("--cost-recv", type=float, default=0.0, help="receiver's own time to take one arrived message")
     p.add_argument("--cost-sync-post", type=float, default=0.0, help="a rank's own time to post one gradient sync")
+    p.add_argument("--cost-gather", type=float, default=0.0,
+                   help="ZeRO-2/3: time to all-gather one stage's worth of sharded weights")
+    p.add_argument("--cost-step", type=float, default=0.0, help="optimizer step of one stage's worth of weights")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                   help="ZeRO stage: 2 and 3 add the chunks' weight gathers (and 3 their releases) to the program")
+    p.add_argument("--data-parallel", type=int, default=1,
+                   help="data-parallel size: the sharded weights per rank are 1/DP (memory report)")
+    p.add_argument("--keep-gathered", action="store_true",
+                   help="ZeRO-3: keep a chunk's weights gathered from its first to its last compute")
     p.add_argument("--max-activations", type=float, help="with --schedule auto: peak activation limit")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
@@ -63,6 +72,9 @@ def _simulate_one(name: str, args, costs: Costs):
         cls = registry.get(name)
         schedule = cls(args.stages, args.micro_batches, **_schedule_options(cls, args, costs))
     program = schedule.lower()
+    if args.zero >= 2:
+        from .schedules.sharding import shard
+        program = shard(program, args.zero, reshard_after_forward=not args.keep_gathered)
     if args.dump_program:
         program.dump(args.dump_program)
     result = simulate(program, costs, chunks_per_rank=schedule.chunks_per_rank)
@@ -116,8 +128,10 @@ def cmd_kernels(args) -> int:
 
 def cmd_simulate(args) -> int:
     _check_target(args)
+    if args.data_parallel < 1:
+        raise ValueError(f"--data-parallel must be >= 1, got {args.data_parallel}")
     costs = Costs(args.cost_fwd, args.cost_bwd, args.cost_wgrad, args.cost_comm, args.cost_allreduce,
-                  args.cost_send, args.cost_recv, args.cost_sync_post)
+                  args.cost_send, args.cost_recv, args.cost_sync_post, args.cost_gather, args.cost_step)
     if args.schedule == "auto":
         return _rank_all(args, costs)
     schedule, result = _simulate_one(args.schedule, args, costs)
@@ -141,6 +155,10 @@ def cmd_simulate(args) -> int:
         print(f"  busy per rank    {[round(b, 3) for b in result.busy]}")
         print(f"  peak activations {[round(a, 3) for a in result.peak_activations]}")
         print(f"  weights per rank {[round(w, 3) for w in result.weights_per_rank]}")
+        if result.gathers:
+            held = [round(w / args.data_parallel + g, 3) for w, g in zip(result.weights_per_rank, result.peak_gathered)]
+            print(f"  gathers per step {result.gathers}")
+            print(f"  weights held     {held}  (shards at DP={args.data_parallel} + the most gathered at once)")
         for err in result.errors[:10]:
             print(f"  error: {err}")
         for rank, why in result.deadlock.items():

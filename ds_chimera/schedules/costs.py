@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
 
-COST_NAMES = ("fwd", "bwd", "wgrad", "comm", "allreduce", "send", "recv", "sync_post", "gather")
+COST_NAMES = ("fwd", "bwd", "wgrad", "comm", "allreduce", "send", "recv", "sync_post", "gather", "step")
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,8 @@ class Costs:
     ``sync_post`` its own time to post one gradient sync (gather the stage's gradients,
     post the all-reduce): the rank computes nothing meanwhile. ``gather`` is the time to
     all-gather one stage's worth of sharded weights (ZeRO-2/3; a chunk pays it times its
-    size); under sharding ``allreduce`` prices the gradients' reduce-scatter.
+    size); under sharding ``allreduce`` prices the gradients' reduce-scatter. ``step`` is the
+    optimizer step of one stage's worth of weights (a chunk pays it times its size).
     """
 
     fwd: float = 1.0
@@ -38,6 +39,7 @@ class Costs:
     recv: float = 0.0
     sync_post: float = 0.0
     gather: float = 0.0
+    step: float = 0.0
 
     def __post_init__(self):
         for name in COST_NAMES:

@@ -85,7 +85,7 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
     mb_replica = placement.mb_replica
     num_mbs = len(mb_replica)
     cost_of = {k: costs.of(k) * size for k in (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)}
-    cost_of[STEP] = 0.0
+    cost_of[STEP] = costs.step * size
 
     errors: list = []
 
@@ -327,6 +327,7 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                 for c in op.chunks:
                     if not 0 <= c < nch or chunk_rank[c] != r:
                         error(f"rank {r}: steps chunk {c}, which it does not hold")
+                t += costs.step * size * len(op.chunks)
                 stepped[r].update(op.chunks)
                 if own_syncs[r]:
                     error(f"rank {r}: steps the optimizer while the gradient syncs of stages "

@@ -1,0 +1,307 @@
+"""Breadth-first with sharded data parallelism: ZeRO-3 against ZeRO-1, memory and step time.
+
+    python benchmarks/zero.py             # N in {4, 8}
+    python benchmarks/zero.py --quick     # N = 4, fewer repeats
+
+Four CPU ranks: 2 pipeline stages x 2 data-parallel, 4 chunks per rank. The timed model
+(``timed_model``) with weights that cost something to move: each timed layer (one per
+chunk) carries a ballast parameter of ``--ballast-mib`` MiB. Every rank's share costs
+F = I = W = 20 ms per micro-batch, plus what the ballast's gradient costs. For each row it
+prints the median step / ideal, the chunk all-gathers per step, and the simulator's
+prediction of the same program with costs measured in the run (the median forward and
+backward of a chunk from a traced step, the optimizer step, and apart from the steps the
+all-gather of one chunk and the gradient reduce-scatter or all-reduce); then the ZeRO-3 /
+ZeRO-1 step ratio of breadth-first, and the memory each rank holds for ZeRO-0/1/2/3
+(weights, gradients, optimizer state at their peaks, and the activations autograd saved). torch.distributed.pipelining's LoopedBFS with FSDP2 runs beside
+them where it runs on gloo; the row says why where it does not.
+The last line is a JSON object with every row.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from ranks import launch, report, save_rows  # noqa: E402
+
+COST_S = 0.020
+LAYERS = 8             # timed layers; 2 stages x 4 chunks: one per chunk
+CHUNKS = 4
+MICRO = 1
+
+ROWS = [("breadth-first", 1), ("breadth-first", 2), ("breadth-first", 3), ("interleaved", 1), ("interleaved", 3)]
+
+
+def ballast_layer_class():
+    """A timed layer with ``numel`` extra weights (all of them get a gradient, as real weights do)."""
+    import torch
+
+    from timed_model import TimedLayer
+
+    class BallastLayer(TimedLayer):
+        def __init__(self, fwd_s, igrad_s, wgrad_s, numel):
+            super().__init__(fwd_s, igrad_s, wgrad_s)
+            self.ballast = torch.nn.Parameter(torch.zeros(numel))
+
+        def forward(self, x):
+            return super().forward(x) + self.ballast[:1] * 0      # the ballast's gradient: numel zeros
+    return BallastLayer
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+
+    import deepspeed
+    import ds_chimera  # noqa: F401
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    from ds_chimera.schedules.costs import Costs
+    from ds_chimera.schedules.sharding import gathers_per_rank
+    from ds_chimera.sim.simulator import simulate
+    from gloo_transport import share_one_device
+    from schedules import median_steps_in_turn, release_groups, process_groups
+    from timed_model import WIDTH, EntryLayer
+
+    share_one_device()
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    stages, dp = 2, 2
+    layer_s = COST_S * stages / LAYERS
+    numel = int(args.ballast_mib * 2 ** 20 / 4)
+    trace_dir = os.path.join(os.path.dirname(os.path.abspath(args.out)), ".zero_traces")
+    ballast = ballast_layer_class()
+    specs = [LayerSpec(EntryLayer)] + [LayerSpec(ballast, layer_s, layer_s, layer_s, numel) for _ in range(LAYERS)]
+    rows = []
+    chunk_bytes = (LAYERS // (CHUNKS * stages)) * (numel + 1) * 4
+
+    def engine_for(schedule, zero, n):
+        cfg = {"train_batch_size": n * MICRO * dp, "train_micro_batch_size_per_gpu": MICRO,
+               "steps_per_print": 10 ** 9, "gradient_clipping": 0.0,
+               "pipeline": {"schedule": schedule, "chunks": CHUNKS, "timeout": 600}}
+        if zero:
+            cfg["zero_optimization"] = {"stage": zero}
+            cfg["zero_allow_untested_optimizer"] = True
+        net = PipelineModule(layers=specs, num_stages=stages, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+        return deepspeed.initialize(model=net, config=cfg, optimizer=lambda p: torch.optim.Adam(p, lr=1e-4))[0]
+
+    def data(n):
+        g = torch.Generator().manual_seed(0)
+        return [(torch.randn(MICRO, WIDTH, generator=g), torch.randn(MICRO, WIDTH, generator=g)) for _ in range(n)]
+
+    # the costs the simulations use, measured apart from the steps
+    dp_group = None
+    for stage in range(stages):      # each stage's data-parallel pair, as DeepSpeed's grid numbers them
+        members = [stage * dp + k for k in range(dp)]
+        group = dist.new_group(members)           # collective creation: every rank, same order
+        if rank in members:
+            dp_group = group
+    gather_s = collective_time(dist, torch, dp_group, chunk_bytes // 4, "gather")
+    scatter_s = collective_time(dist, torch, dp_group, chunk_bytes // 4, "reduce_scatter")
+    allreduce_s = collective_time(dist, torch, dp_group, chunk_bytes // 4, "all_reduce")
+    if rank == 0:
+        print(f"  costs: one chunk ({chunk_bytes / 2 ** 20:.1f} MiB) all-gather {gather_s * 1e3:.1f} ms, "
+              f"reduce-scatter {scatter_s * 1e3:.1f} ms, all-reduce {allreduce_s * 1e3:.1f} ms", flush=True)
+
+    for n in args.micro_batches:
+        keep = process_groups()
+        engines, steps = [], []
+        for schedule, zero in ROWS:
+            engine = engine_for(schedule, zero, n)
+            batches = data(n)
+            engines.append((schedule, zero, engine, timed_optimizer_step(engine)))
+            steps.append(lambda e=engine, b=batches: e.train_batch(iter(b)))
+        times = median_steps_in_turn(dist, steps, args.repeats)
+        for (schedule, zero, engine, step_times), step_s in zip(engines, times):
+            ideal = n * 3 * COST_S
+            program = engine.plan.program
+            fwd, bwd = traced_costs(engine, data(n), trace_dir)      # one chunk's, in stage units
+            costs = Costs(fwd=fwd, bwd=bwd, wgrad=bwd / 2, gather=gather_s * CHUNKS,
+                          allreduce=(scatter_s if zero >= 2 else allreduce_s),
+                          step=statistics.median(step_times) / engine.placement.size / CHUNKS)
+            sim = simulate(program, costs)
+            row = {"schedule": schedule, "zero": zero, "N": n, "step_s": step_s, "vs_ideal": step_s / ideal,
+                   "gathers": gathers_per_rank(program)[engine.pipe_rank] if zero >= 2 else 0,
+                   "sim_s": sim.makespan, "measured_vs_sim": step_s / sim.makespan}
+            rows.append(row)
+            if rank == 0:
+                print(f"  zero N={n} {schedule} ZeRO-{zero}: {row['vs_ideal']:.3f} x ideal, {row['gathers']} gathers/step, "
+                      f"measured/simulated {row['measured_vs_sim']:.3f}", flush=True)
+        rows.append(fsdp_looped_bfs(torch, dist, rank, n, specs, stages, dp, data, args.repeats))
+        del engines, steps
+        release_groups(dist, keep)
+    if args.memory:
+        rows.extend(memory_rows(torch, dist, rank, engine_for, data))
+    save_rows(dist, rows, args.out)
+
+
+def timed_optimizer_step(engine) -> list:
+    """Wrap the engine's optimizer step to record its duration (seconds) each step."""
+    times, step = [], engine.optimizer.step
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = step(*args, **kwargs)
+        times.append(time.perf_counter() - start)
+        return out
+    engine.optimizer.step = timed
+    return times
+
+
+def traced_costs(engine, batches, trace_dir) -> tuple:
+    """(forward, backward) of one chunk per micro-batch, in stage units: medians of a traced step's actions."""
+    engine.plan.trace_dir = trace_dir
+    os.makedirs(trace_dir, exist_ok=True)
+    try:
+        engine.train_batch(iter(batches))
+    finally:
+        engine.plan.trace_dir = None
+    records = engine.executor.records
+    fwd = statistics.median(end - start for _, kind, _, _, start, end in records if kind == "F")
+    bwd = statistics.median(end - start for _, kind, _, _, start, end in records if kind == "B")
+    return fwd / engine.placement.size, bwd / engine.placement.size
+
+
+def collective_time(dist, torch, group, numel, kind, rounds=10) -> float:
+    """Median time of one collective of ``numel`` floats over ``group`` (both members), apart from any step."""
+    size = dist.get_world_size(group)
+    full = torch.zeros(numel - numel % size)
+    shard = torch.zeros(full.numel() // size)
+    times = []
+    for _ in range(rounds + 1):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        if kind == "gather":
+            dist.all_gather_into_tensor(full, shard, group=group)
+        elif kind == "reduce_scatter":
+            dist.reduce_scatter_tensor(shard, full, group=group)
+        else:
+            dist.all_reduce(full, group=group)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def fsdp_looped_bfs(torch, dist, rank, n, specs, stages, dp, data, repeats) -> dict:
+    """torch.distributed.pipelining's LoopedBFS with FSDP2 over the data-parallel pairs, if it runs on gloo."""
+    row = {"schedule": "torch LoopedBFS + FSDP2", "zero": 3, "N": n}
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed import pipelining as pp
+
+        from schedules import median_step
+        from timed_model import stage_layers
+        mesh = init_device_mesh("cpu", (dp, stages), mesh_dim_names=("dp", "pp"))
+        pp_rank = mesh["pp"].get_local_rank()
+        modules = []
+        for s in range(pp_rank, CHUNKS * stages, stages):
+            module = torch.nn.Sequential(*stage_layers(specs, s, CHUNKS * stages))
+            fully_shard(module, mesh=mesh["dp"])
+            modules.append((s, module))
+        pipe_stages = [pp.PipelineStage(m, s, CHUNKS * stages, torch.device("cpu"), group=mesh["pp"].get_group())
+                       for s, m in modules]
+        schedule = pp.ScheduleLoopedBFS(pipe_stages, n_microbatches=n, loss_fn=torch.nn.MSELoss())
+        params = [p for _, m in modules for p in m.parameters()]
+        opt = torch.optim.Adam(params, lr=1e-4)
+        batch = data(n)
+        x, y = torch.cat([b[0] for b in batch]), torch.cat([b[1] for b in batch])
+
+        def step():
+            opt.zero_grad()
+            schedule.step(*((x,) if pp_rank == 0 else ()), **({"target": y} if pp_rank == stages - 1 else {}))
+            opt.step()
+        step_s = median_step(dist, step, repeats)
+        row.update(step_s=step_s, vs_ideal=step_s / (n * 3 * COST_S))
+        if rank == 0:
+            print(f"  zero N={n} torch LoopedBFS + FSDP2: {row['vs_ideal']:.3f} x ideal", flush=True)
+    except Exception as exc:           # report, never hide: the row says why it is missing
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        if rank == 0:
+            print(f"  zero N={n} torch LoopedBFS + FSDP2: does not run here ({row['error']})", flush=True)
+    return row
+
+
+def memory_rows(torch, dist, rank, engine_for, data) -> list:
+    """Bytes each rank holds under ZeRO-0/1/2/3 (breadth-first, DP = 2, Adam): weights, gradients and
+    optimizer state at their peaks over a step, and the activations autograd saved."""
+    rows = []
+    for zero in (0, 1, 2, 3):
+        engine = engine_for("breadth-first", zero, 4)
+        saved = {"now": 0, "peak": 0}
+
+        def pack(t):
+            saved["now"] += t.numel() * t.element_size()
+            saved["peak"] = max(saved["peak"], saved["now"])
+            return t
+
+        def unpack(t):
+            saved["now"] -= t.numel() * t.element_size()
+            return t
+        batches = data(4)
+        engine.train_batch(iter(batches))          # the optimizer state exists from the first step on
+        shards = engine.host.shards
+        if shards is not None:
+            shards.reset_peak()
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            engine.train_batch(iter(batches))
+        state = sum(t.numel() * t.element_size() for s in engine.optimizer.state.values() for t in s.values()
+                    if torch.is_tensor(t) and t.dim())
+        if zero == 1:       # ZeRO-1 keeps fp32 master partitions besides the state
+            state += sum(t.numel() * t.element_size() for t in engine.optimizer.single_partition_of_fp32_groups)
+        if shards is not None:
+            weights = shards.peak["gathered_weights"] + shards.peak["shards"]
+            grads = shards.peak["grads"] + sum(s.shard.numel() * 4 for s in shards.by_chunk.values())
+        else:
+            params = [p for p in engine.module.parameters()]
+            weights = sum(p.numel() * p.element_size() for p in params)
+            grads = weights       # a full gradient per weight until the step
+        row = {"memory": True, "zero": zero, "rank": rank, "weights": weights, "grads": grads, "optimizer": state,
+               "activations": saved["peak"]}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, row)
+        if rank == 0:
+            worst = {k: max(g[k] for g in gathered) for k in ("weights", "grads", "optimizer", "activations")}
+            print(f"  memory ZeRO-{zero}: weights {worst['weights'] / 2 ** 20:.1f} MiB, grads "
+                  f"{worst['grads'] / 2 ** 20:.1f} MiB, optimizer {worst['optimizer'] / 2 ** 20:.1f} MiB, "
+                  f"activations {worst['activations'] / 2 ** 10:.1f} KiB (largest rank)", flush=True)
+        rows.append(row)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--micro-batches", type=int, nargs="+")
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--ballast-mib", type=float, default=2.0, help="extra weights per timed layer")
+    parser.add_argument("--no-memory", dest="memory", action="store_false")
+    parser.add_argument("--out", default="benchmarks/zero_results.json")
+    args = parser.parse_args()
+    args.micro_batches = args.micro_batches or ([4] if args.quick else [4, 8])
+    args.repeats = args.repeats or (3 if args.quick else 5)
+    if args.worker:
+        return worker(args)
+    print(f"2 stages x 2 data-parallel, F = I = W = {COST_S * 1e3:.0f} ms per rank and micro-batch, "
+          f"{args.ballast_mib:g} MiB per timed layer", flush=True)
+    worker_args = ["--repeats", args.repeats, "--micro-batches", *args.micro_batches,
+                   "--ballast-mib", args.ballast_mib] + ([] if args.memory else ["--no-memory"])
+    return report(launch(__file__, worker_args, args.out, ("  zero", "  memory", "  costs")), summarise)
+
+
+def summarise(rows):
+    timed = [r for r in rows if "step_s" in r and "memory" not in r]
+    for n in sorted({r["N"] for r in timed}):
+        by = {(r["schedule"], r["zero"]): r for r in timed if r["N"] == n}
+        one, three = by.get(("breadth-first", 1)), by.get(("breadth-first", 3))
+        if one and three:
+            print(f"N={n}: breadth-first ZeRO-3 / ZeRO-1 step = {three['step_s'] / one['step_s']:.3f}")
+    sims = [r["measured_vs_sim"] for r in timed if "measured_vs_sim" in r]
+    if sims:
+        print(f"measured/simulated: {min(sims):.3f} to {max(sims):.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main() or 0)
