@@ -291,3 +291,65 @@ def test_imports_only_flow_downwards():
         if name.endswith(".py"):
             assert "import torch" not in open(os.path.join(schedules, name)).read(), name
     assert seen > 40
+
+
+# ---- sharded data parallelism: where the weights are gathered -------------------------------------------
+@pytest.mark.parametrize("chunks", [2, 3, 4])
+def test_breadth_first_gathers_each_chunk_twice_but_the_last(chunks):
+    from ds_chimera.schedules.actions import Gather, Release
+    from ds_chimera.schedules.sharding import gathers_per_rank, shard
+    program = build("breadth-first", 2, 8, chunks=chunks).lower()
+    zero3 = shard(program, 3)
+    assert gathers_per_rank(zero3) == [2 * chunks - 1] * 2
+    result = simulate(zero3, Costs(gather=0.5))
+    assert result.valid and max(result.peak_gathered) <= 2 / chunks + 1e-12       # two chunks at most
+    kept = shard(program, 3, reshard_after_forward=False)
+    assert gathers_per_rank(kept) == [chunks] * 2 and simulate(kept).valid
+    zero2 = shard(program, 2)
+    assert gathers_per_rank(zero2) == [chunks] * 2
+    assert not [op for ops in zero2.ops for op in ops if type(op) is Release]       # ZeRO-2 keeps its weights
+    assert Program.load(zero3.dump()).ops == zero3.ops
+    # depth-first switches chunks all the time: far more gathers for the same work
+    interleaved = shard(build("interleaved", 2, 8, chunks=chunks).lower(), 3)
+    assert min(gathers_per_rank(interleaved)) > 2 * (2 * chunks - 1)
+    # each gather is posted a compute action ahead of its use
+    ops, second = zero3.ops[0], zero3.placement.chunks_on(0)[1]
+    first = next(i for i, op in enumerate(ops) if type(op) is Gather and op.chunk == second)
+    compute_after = [op for op in ops[first + 1:] if type(op) is Action]
+    assert compute_after[0].chunk != second and compute_after[1].chunk == second
+
+
+def test_the_simulator_checks_the_weights_are_there():
+    from ds_chimera.schedules.actions import Gather, Release
+    from ds_chimera.schedules.sharding import shard
+    program = shard(build("breadth-first", 2, 4, chunks=2).lower(), 3)
+    no_gather = [[op for op in ops if not (type(op) is Gather and op.chunk == 2)] for ops in program.ops]
+    errors = simulate(Program("x", program.placement, no_gather, True)).errors
+    assert any("computes without chunk 2's weights (no GATHER, or after RELEASE)" in e for e in errors)
+    twice = [list(ops) for ops in program.ops]
+    twice[0].insert(0, Gather(0))
+    assert any("gathers chunk 0 while its weights are already gathered" in e
+               for e in simulate(Program("x", program.placement, twice, True)).errors)
+    stray = [list(ops) for ops in program.ops]
+    stray[1].append(Release(1))
+    assert any("releases chunk 1, whose weights are not gathered" in e
+               for e in simulate(Program("x", program.placement, stray, True)).errors)
+    with pytest.raises(ValueError, match="'pipeoptim' is asynchronous"):
+        shard(build("pipeoptim", 2, 4).lower(), 3)
+
+
+def test_gathers_and_the_step_cost_time_in_the_simulation():
+    from ds_chimera.schedules.sharding import shard
+    program = build("1f1b", 2, 4).lower()
+    plain = simulate(program).makespan
+    assert simulate(program, Costs(step=0.5)).makespan == pytest.approx(plain + 0.5)
+    # the first gather of the step cannot hide behind anything
+    assert simulate(shard(program, 3), Costs(gather=0.75)).makespan == pytest.approx(plain + 0.75)
+
+
+def test_cli_simulates_sharded_programs():
+    out = subprocess.run([sys.executable, "-m", "ds_chimera.cli", "simulate", "--schedule", "breadth-first",
+                          "--chunks", "4", "--stages", "2", "--micro-batches", "8", "--zero", "3", "--data-parallel",
+                          "2", "--cost-gather", "0.3"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "gathers per step [7, 7]" in out.stdout and "weights held     [1.0, 1.0]" in out.stdout

@@ -21,7 +21,7 @@ counts them, and the simulator prices them.
 """
 from __future__ import annotations
 
-from .actions import STEP, Action, Gather, Release
+from .actions import STEP, Action, CommBatch, Gather, Release
 from .lowering import Program
 
 ZERO_STAGES = (2, 3)
@@ -63,8 +63,11 @@ def shard(program: Program, zero: int, reshard_after_forward: bool = True) -> Pr
         before: dict = {}        # op index -> ops to insert before it
         after: dict = {}         # op index -> ops to insert after it
         for chunk, first, last, release in _segments(order, zero, reshard_after_forward):
-            # posted before the previous compute action (at the start for the first): one ahead
+            # posted before the previous compute action (at the start for the first): one ahead;
+            # and before the receives that feed that action, so it does not wait behind them
             anchor = compute[first - 1] if first > 0 else (compute[0] if compute else len(rank_ops))
+            while anchor > 0 and type(rank_ops[anchor - 1]) is CommBatch:
+                anchor -= 1
             before.setdefault(anchor, []).append(Gather(chunk))
             if release:
                 after.setdefault(compute[last], []).append(Release(chunk))
