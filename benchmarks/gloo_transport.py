@@ -6,7 +6,7 @@ event-loop thread that wakes 100 times a second even when nothing is sent (a 10 
 then has over a hundred such threads per rank: measured here with 50 idle groups, 5,700
 context switches a second per process against 100 with one shared device. On 2 cores
 shared by 4 ranks that steals time from whichever engine is stepping, the peers' included
-(``idle_engines.py``). One real training job has a handful of groups, so the benchmarks give
+(``tools/idle_engines.py``). One real training job has a handful of groups, so the benchmarks give
 all groups one device: the rows then measure schedules and runtimes, not idle threads.
 
 Call ``share_one_device()`` before the default process group is created.

@@ -191,7 +191,7 @@ def release_groups(dist, keep: set) -> None:
     """Destroy every process group created since ``keep`` was taken, on every rank in one order.
 
     An engine that lives on, even idle, slows the others' steps: its gloo groups keep their
-    threads (``idle_engines.py`` measured 1-5% beside 25 idle engines). Each N's rows are
+    threads (``tools/idle_engines.py`` measured 1-5% beside 25 idle engines). Each N's rows are
     released before the next N's are built, so they do not pile up across N.
     """
     import gc

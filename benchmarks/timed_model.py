@@ -19,7 +19,7 @@ autograd bookkeeping is inside F; each backward path's deadline counts from its 
 The spun tail is short (0.5 ms) and yields the core at every turn. Four ranks share two
 cores, so spinning ranks compete for them: with a 1 ms spin that did not yield, one hold
 in ten came back 0.4-0.5 ms late inside a pipeline step, and the timed layers, not the
-schedule or the runtime, cost the step 2-3% (``step_breakdown.py``, chimera zero-bubble
+schedule or the runtime, cost the step 2-3% (``tools/step_breakdown.py``, chimera zero-bubble
 with two pipelines at N = 8: 1.095-1.099x ideal with that spin, 1.066-1.076x with this one).
 """
 import os

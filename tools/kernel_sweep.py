@@ -1,6 +1,6 @@
 """Launch configurations of the window-band Triton kernels, timed side by side on one GPU.
 
-    python benchmarks/kernel_sweep.py [--json out.json]
+    python tools/kernel_sweep.py [--json out.json]
 
 For the shape of benchmarks/kernels.py (B=16, C=1024, T=2048, H=16), each kernel (LightConv
 and DynamicConv forward, and their fused backward) at K = 3, 15, 31, 64 in bf16 and fp32 is

@@ -1,6 +1,6 @@
 """Receives posted ahead of need against receives posted when needed, on the same engines.
 
-    python benchmarks/early_receives.py [--micro-batches 16] [--repeats 7]
+    python tools/early_receives.py [--micro-batches 16] [--repeats 7]
 
 gloo holds a send until its receive is posted, so a receive posted only when its data is
 needed pays a round trip between the two ranks' communication threads. The executor posts
@@ -14,7 +14,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.join(os.path.dirname(HERE), "benchmarks")   # the shared helpers: ranks, schedules, timed_model
+sys.path.insert(0, BENCHMARKS)
 from ranks import launch, report, save_rows  # noqa: E402
 SCHEDULES = [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {}), ("zbv", {})]
 
@@ -25,7 +26,7 @@ def worker(args):
 
     import ds_chimera  # noqa: F401
 
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, BENCHMARKS)
     from schedules import COST_S, ds_config, init_timed_model, label, median_steps_in_turn, random_batches, timed_engine
     from timed_model import WIDTH
 

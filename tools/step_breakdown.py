@@ -1,8 +1,8 @@
 """Where one schedule's step goes, on the timed model: from the ideal to the measured step.
 
-    python benchmarks/step_breakdown.py                                   # chimera zero-bubble, f = 2, N = 8
-    python benchmarks/step_breakdown.py --schedule zbv --micro-batches 16
-    python benchmarks/step_breakdown.py --schedule chimera --options '{"order": "merged"}'
+    python tools/step_breakdown.py                                   # chimera zero-bubble, f = 2, N = 8
+    python tools/step_breakdown.py --schedule zbv --micro-batches 16
+    python tools/step_breakdown.py --schedule chimera --options '{"order": "merged"}'
 
 Four CPU ranks (gloo), the timed model of ``schedules.py``. Two engines of the schedule take
 turns: one traced (every op's start and end on every rank), one not (its median step is the
@@ -36,7 +36,8 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.join(os.path.dirname(HERE), "benchmarks")   # the shared helpers: ranks, schedules, timed_model
+sys.path.insert(0, BENCHMARKS)
 from ranks import launch, report, save_rows  # noqa: E402
 from schedules import COST_S, LAYERS, calibrate, ds_config, init_timed_model, median_steps_in_turn, \
     p2p_waiting_latency, random_batches, timed_engine  # noqa: E402

@@ -1,7 +1,7 @@
 """Does an engine step slower when other, idle engines live in the same processes?
 
-    python benchmarks/idle_engines.py                       # 25 idle engines, 2 pairs
-    python benchmarks/idle_engines.py --idle 12 --pairs 3
+    python tools/idle_engines.py                       # 25 idle engines, 2 pairs
+    python tools/idle_engines.py --idle 12 --pairs 3
 
 ``schedules.py`` builds every row of an N first and steps them in turn, so each step runs
 beside 25 engines that are not stepping (each with its own gloo process groups and their
@@ -18,7 +18,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.join(os.path.dirname(HERE), "benchmarks")   # the shared helpers: ranks, schedules, timed_model
+sys.path.insert(0, BENCHMARKS)
 from ranks import launch, report, save_rows  # noqa: E402
 from schedules import COST_S, OURS, ds_config, init_timed_model, median_steps_in_turn, random_batches, \
     timed_engine  # noqa: E402

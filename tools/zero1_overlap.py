@@ -1,6 +1,6 @@
 """Breadth-first with ZeRO-1: each chunk's gradient reduction when the chunk is done, against all at the end.
 
-    python benchmarks/zero1_overlap.py [--payload 4000000] [--repeats 5]
+    python tools/zero1_overlap.py [--payload 4000000] [--repeats 5]
 
 Four CPU ranks as 2 pipeline stages x 2 data-parallel replicas, breadth-first with 2 chunks
 per rank, on the timed model (F = I = W = 20 ms per rank share and micro-batch). Each timed
@@ -22,7 +22,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCHMARKS = os.path.join(os.path.dirname(HERE), "benchmarks")   # the shared helpers: ranks, schedules, timed_model
+sys.path.insert(0, BENCHMARKS)
 from ranks import launch, report, save_rows  # noqa: E402
 COST_S, LAYERS, MICRO = 0.020, 8, 1
 
@@ -36,7 +37,7 @@ def worker(args):
     import ds_chimera  # noqa: F401
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, BENCHMARKS)
     from schedules import median_steps_in_turn, random_batches
     from timed_model import WIDTH, TimedLayer
 
