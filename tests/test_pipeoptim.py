@@ -15,6 +15,7 @@ from ds_chimera.schedules import registry
 from ds_chimera.sim.simulator import Costs, simulate
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed"))
+import async_reference as model  # noqa: E402
 import probes  # noqa: E402
 
 ASYNC = ["pipedream", "pipedream-2bw", "pipeoptim", "spectrain"]
@@ -317,30 +318,25 @@ PROBE_SPECTRAIN = {"smoothing": 0.0}
 
 
 def expected_versions(schedule, calls):
-    """(kind, chunk, mb, call) -> the version each method's definition says that pass sees."""
-    updates = 1 if schedule.synchronous else schedule.micro_batches // schedule.update_interval()
-    out = {}
-    for call in range(calls):
-        base = call * updates
-        if schedule.synchronous:
-            for k in range(schedule.stages):
-                for mb in range(schedule.micro_batches):
-                    out[("F", k, mb, call)] = out[("B", k, mb, call)] = base
-            continue
-        for (k, mb), (fwd, bwd) in schedule.versions().items():
-            if schedule.weight_policy == "stash":
-                out[("F", k, mb, call)] = out[("B", k, mb, call)] = base + fwd
-            else:
-                # the predicted version; with no update applied yet, nothing to predict from
-                ahead = schedule.steps_ahead(k, mb) if base + fwd > 0 else 0
-                out[("F", k, mb, call)] = base + fwd + ahead
-                out[("B", k, mb, call)] = base + bwd
-    return out
+    """(kind, chunk, mb, call) -> the version each method's definition says that pass sees.
+
+    Asynchronous methods: the independent model's (async_reference: its own unit-time
+    timetable of asynchronous 1F1B and each method's rule), nothing read from the schedule's
+    tables. A prediction s updates ahead reads v + s on a probe. Synchronous schedules: the
+    call's version, every pass.
+    """
+    if schedule.synchronous:
+        return {(kind, k, mb, call): call for call in range(calls) for kind in "FB"
+                for k in range(schedule.stages) for mb in range(schedule.micro_batches)}
+    cfg = schedule.config
+    return model.probe_versions(schedule.name, schedule.stages, schedule.micro_batches, calls,
+                                cfg.get("update_interval"), cfg.get("steps_ahead", "paper"))
 
 
 def observed_versions(log, schedule):
     """The probes' readings as versions: an update of G accumulated micro-batches adds G."""
-    per_update = schedule.micro_batches if schedule.synchronous else schedule.update_interval()
+    per_update = schedule.micro_batches if schedule.synchronous else \
+        model.default_interval(schedule.name, schedule.stages, schedule.config.get("update_interval"))
     seen, count = {}, {}
     for kind, chunk, mb, value in log:
         call = count.get((kind, chunk, mb), 0)
@@ -349,22 +345,112 @@ def observed_versions(log, schedule):
     return seen
 
 
+@pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("name,options", [("pipedream", {}), ("pipedream-2bw", {}), ("pipeoptim", {}),
                                           ("spectrain", PROBE_SPECTRAIN), ("pipeoptim", {"steps_ahead": "code"}),
-                                          ("1f1b", {})])
-def test_each_forward_and_backward_sees_its_definitions_version(name, options):
-    schedule, pipe = probe_pipeline(name, **options)
-    batches = [(torch.randn(2, 3), torch.randn(2, 3)) for _ in range(8)]
+                                          ("pipeoptim", {"steps_ahead": 2}), ("1f1b", {})])
+def test_each_forward_and_backward_sees_its_definitions_version(name, options, stages):
+    """LocalPipeline's probes read, in every pass of 3 calls, the version the independent model gives."""
+    n = 2 * stages
+    schedule, pipe = probe_pipeline(name, stages, n, **options)
+    batches = [(torch.randn(2, 3), torch.randn(2, 3)) for _ in range(n)]
     probes.LOG.clear()
     for _ in range(3):
         pipe.train_batch(batches)
-    assert observed_versions(probes.LOG, schedule) == expected_versions(schedule, 3)
+    observed, expected = observed_versions(probes.LOG, schedule), expected_versions(schedule, 3)
+    assert len(observed) == len(expected) == 2 * stages * n * 3
+    assert observed == expected
     if name == "pipeoptim" and not options:     # exact prediction: the forward sees the backward's version
-        later = [(k, v) for k, v in observed_versions(probes.LOG, schedule).items() if k[3] > 0]
+        later = [(k, v) for k, v in observed.items() if k[3] > 0]
         fwd = {k[1:]: v for k, v in later if k[0] == "F"}
         assert all(fwd[k[1:]] == v for k, v in later if k[0] == "B")
-    assert [v.peak_versions for v in pipe.versions] == (schedule.weights_per_rank()
-                                                        if not schedule.synchronous else [1] * 4)
+    held = [1] * stages if schedule.synchronous else \
+        model.versions_held(name, stages, n, steps_ahead=options.get("steps_ahead", "paper"))
+    assert [v.peak_versions for v in pipe.versions] == held
+    if not schedule.synchronous:
+        assert schedule.weights_per_rank() == held
+
+
+# ---- LocalPipeline against the independent model of each method (async_reference) ------------------------
+def _sgd(**kw):
+    return lambda p: torch.optim.SGD(p, **kw), lambda: model.SGD(**kw)
+
+
+def _adam(decoupled=False, **kw):
+    torch_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    if decoupled:
+        kw.setdefault("weight_decay", 0.1)
+    return lambda p: torch_cls(p, **kw), lambda: model.Adam(decoupled=decoupled, **kw)
+
+
+MOMENTUM, ADAM, ADAMW = _sgd(lr=0.1, momentum=0.9), _adam(lr=0.01), _adam(decoupled=True, lr=0.01)
+MODEL_CASES = [  # (method, D, N, optimizer, schedule options, clip)
+    ("pipedream", 4, 8, MOMENTUM, {}, 0.0), ("pipedream", 3, 6, ADAM, {}, 0.0),
+    ("pipedream-2bw", 4, 8, MOMENTUM, {}, 0.0), ("pipedream-2bw", 3, 6, ADAMW, {}, 0.0),
+    ("pipedream-2bw", 4, 8, ADAM, {"update_interval": 2}, 0.0),
+    ("pipeoptim", 4, 8, MOMENTUM, {}, 0.0), ("pipeoptim", 4, 8, ADAM, {}, 0.0), ("pipeoptim", 4, 8, ADAMW, {}, 0.0),
+    ("pipeoptim", 3, 6, ADAMW, {}, 0.0), ("pipeoptim", 2, 4, MOMENTUM, {}, 0.0),
+    ("pipeoptim", 4, 8, _sgd(lr=0.1, weight_decay=0.05), {}, 0.0),
+    ("pipeoptim", 4, 8, _sgd(lr=0.1, momentum=0.9, nesterov=True), {}, 0.0),
+    ("pipeoptim", 4, 8, _adam(lr=0.01, weight_decay=0.05), {}, 0.0),
+    ("pipeoptim", 4, 8, MOMENTUM, {"steps_ahead": "code"}, 0.0), ("pipeoptim", 3, 6, ADAMW, {"steps_ahead": 2}, 0.0),
+    ("pipeoptim", 4, 8, ADAMW, {"predictor": "last-update"}, 0.0), ("pipeoptim", 4, 8, MOMENTUM, {}, 0.1),
+    ("spectrain", 4, 8, MOMENTUM, {}, 0.0), ("spectrain", 4, 8, ADAMW, {}, 0.0),
+    ("spectrain", 3, 6, ADAM, {"smoothing": 0.5, "steps_ahead": "code"}, 0.0),
+]
+
+
+def _stage():
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 5), nn.Tanh())
+
+
+@pytest.mark.parametrize("name,stages,n,optimizer,options,clip", MODEL_CASES,
+                         ids=[f"{c[0]}-D{c[1]}-{i}" for i, c in enumerate(MODEL_CASES)])
+def test_local_pipeline_equals_the_independent_model(name, stages, n, optimizer, options, clip):
+    """3 calls (each filled and drained): weights and each call's mean loss equal the model's within 1e-6."""
+    torch_opt, model_opt = optimizer
+    torch.manual_seed(0)
+    modules = [_stage() for _ in range(stages)]
+    mine = copy.deepcopy(modules)
+    start = copy.deepcopy(modules)
+    pipe = LocalPipeline(registry.build(name, stages, n, **options), modules, [torch_opt(m.parameters()) for m in modules],
+                         nn.functional.mse_loss, clip=clip)
+    reference = model.AsyncReference(name, mine, model_opt, clip=clip,
+                                     steps_ahead=options.get("steps_ahead", "paper"),
+                                     predictor="last-update" if options.get("predictor") == "last-update"
+                                     else "optimizer", smoothing=options.get("smoothing", 0.9),
+                                     update_interval=options.get("update_interval"))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        batches = [(torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)) for _ in range(n)]
+        assert pipe.train_batch(batches) == pytest.approx(reference.train_call(batches), rel=1e-6, abs=1e-7)
+    pairs = [(p, q, r) for a, b, c in zip(modules, mine, start)
+             for p, q, r in zip(a.parameters(), b.parameters(), c.parameters())]
+    assert len(pairs) == 4 * stages
+    assert max((p - q).abs().max().item() for p, q, _ in pairs) <= 1e-6
+    assert min((q - r).abs().max().item() for _, q, r in pairs) > 1e-3          # every tensor trained
+    # what the model ran is what its plan (the expected versions above) says
+    plan = model.pass_plan(name, stages, n, 3, options.get("update_interval"), options.get("steps_ahead", "paper"))
+    assert reference.seen == plan
+    if clip:
+        norms = [x for per_stage in reference.norms for x in per_stage]
+        assert min(norms) < clip < max(norms)
+
+
+def test_the_models_timetable_is_asynchronous_1f1b():
+    """Written out by hand for D = 4, N = 6: D-1-k warm-up forwards, then one forward and one backward, each
+    backward followed by the update; the update distance is D-1-k once full, the warm-up's nearer."""
+    slots = model.async_1f1b(4, 6)
+    orders = [" ".join(f"{kind}{mb}" for now in slots for k, kind, mb in now if k == stage and kind != "S")
+              for stage in range(4)]
+    assert orders == ["F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5", "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5",
+                      "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5", "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"]
+    steps = [[kind for now in slots for k, kind, _ in now if k == stage] for stage in range(4)]
+    assert all(s.count("S") == 6 and all(s[i + 1] == "S" for i, kind in enumerate(s) if kind == "B") for s in steps)
+    gaps = {key: b - f for key, (f, b) in model.call_versions(slots, 4).items()}
+    assert [[gaps[(k, mb)] for mb in range(6)] for k in range(4)] == [[0, 1, 2, 3, 3, 3], [0, 1, 2, 2, 2, 2],
+                                                                     [0, 1, 1, 1, 1, 1], [0] * 6]
+    assert len(slots) == 2 * (6 + 4 - 1)         # unit slots: one fill and one drain
 
 
 @pytest.mark.parametrize("name", ASYNC)
