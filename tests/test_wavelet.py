@@ -83,6 +83,9 @@ def test_engine_equals_the_documented_recurrence(tmp_path):
     assert r["max_diff_reference"] <= 1e-6           # exactly the staleness-1 recurrence
     assert r["max_diff_sync"] > 1e-3                 # and measurably not synchronous training
     assert r["global_steps"] == r["updates"]         # every task applied every update of both waves
+    # NCCL-ready: no collective or message (training, drain, checkpoint save and load) ran on a group that
+    # holds both tasks of a device; they talk through shared memory, the checkpoint barriers via the store
+    assert r["calls"] >= 4 and r["groups_with_a_device_pair"] == []      # (4 steps: 4 wave all-reduces at least)
 
 
 def test_cli_reports_the_memory_model():

@@ -119,10 +119,21 @@ def _initialize_wavelet(original, call, args, model, config):
     if isinstance(model, PipelineModule):
         raise ValueError("wavelet runs data-parallel training of a non-pipelined model; this model is a "
                          "PipelineModule (choose a pipeline schedule instead, or drop \"wavelet\")")
+    import torch.distributed as dist
+
+    from ..wavelet.layout import WaveLayout, WaveMPU
     config = dict(config)
     config["wavelet"] = {**(config.get("wavelet") or {}), "enabled": True}
     wavelet_options(config)              # bad options fail here, before any engine work
-    call.update(config=config, config_params=None)
+    if call.get("mpu") is not None:
+        raise ValueError("wavelet makes its own data-parallel groups (one per wave); do not pass mpu=")
+    if not dist.is_initialized():
+        import deepspeed
+        deepspeed.init_distributed()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dist.get_world_size())))
+    mpu = WaveMPU(WaveLayout(dist.get_rank(), dist.get_world_size(), local_world), dist)
+    _wave_batch_size(config, dist.get_world_size(), mpu.get_data_parallel_world_size())
+    call.update(config=config, config_params=None, mpu=mpu)
     if args is not None and (getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)):
         call["args"] = args = _without_config_path(args)
     if args is not None and getattr(args, "local_rank", None) is not None and "LOCAL_RANK" in os.environ:
@@ -133,6 +144,19 @@ def _initialize_wavelet(original, call, args, model, config):
         args.local_rank = int(os.environ["LOCAL_RANK"])
     with _engine_class(WaveletEngine, "DeepSpeedEngine"):
         return original(**call)
+
+
+def _wave_batch_size(config: dict, world: int, wave_size: int) -> None:
+    """DeepSpeed checks train_batch_size against its data-parallel size, which is now one wave:
+    the config's batch (both waves' samples per step) is restated per wave."""
+    micro = config.get("train_micro_batch_size_per_gpu")
+    gas = config.get("gradient_accumulation_steps") or 1
+    total = config.get("train_batch_size")
+    if micro is None and total is not None:
+        micro = total // (gas * world)
+    if micro is not None:
+        config["train_micro_batch_size_per_gpu"] = micro
+        config["train_batch_size"] = micro * gas * wave_size
 
 
 def _rebind_optimizer(optimizer, model):

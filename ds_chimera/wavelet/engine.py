@@ -25,7 +25,7 @@ timing noise would let it drift.
 """
 from __future__ import annotations
 
-import os
+import contextlib
 import statistics
 import time
 
@@ -34,13 +34,15 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.model_checkpointing.constants import CHECKPOINT_TAG_VALIDATION, ValidationMode
 
 from ..logs import get_logger
 from ..runtime import faults
 from ..runtime.clipping import clip_by_norm
-from ..runtime.p2p import post_or_fail, wait_or_fail
+from ..runtime.p2p import PeerTimeout, wait_or_fail
 from ..validation import check_fraction, check_seconds
-from .layout import TICK, WaveLayout
+from .channel import PairChannel
+from .layout import TICK
 
 log = get_logger()
 DEFAULT_TIMEOUT_S = 300.0
@@ -72,14 +74,14 @@ class WaveletEngine(DeepSpeedEngine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.wavelet = wavelet = wavelet_options(self._config._param_dict)
-        if dist.get_backend() == "nccl":
-            raise ValueError("wavelet runs two tasks per GPU, and NCCL refuses two ranks of one communicator on one "
-                             "device; initialise torch.distributed with the gloo backend for wavelet")
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dist.get_world_size())))
-        self.layout = WaveLayout(dist.get_rank(), dist.get_world_size(), local_world)
-        groups = {w: dist.new_group(self.layout.wave_ranks(w)) for w in (0, 1)}   # collective: every rank, same order
-        self.wave_group = groups[self.layout.wave]
-        self.wave_size = len(self.layout.wave_ranks(self.layout.wave))
+        # every collective stays within a wave (one task per device, so NCCL can run it); the two tasks of
+        # a device talk through shared memory (see .channel), and DeepSpeed's checkpoint barriers go
+        # through the store (see _store_barriers)
+        self.layout = self.mpu.layout
+        self.wave_group = self.mpu.get_data_parallel_group()
+        self.wave_size = self.mpu.get_data_parallel_world_size()
+        self._config.checkpoint_config[CHECKPOINT_TAG_VALIDATION] = ValidationMode.IGNORE   # a world all-reduce
+        self.save_non_zero_checkpoint = dist.get_rank() == 0         # one writer: both waves hold one model
         self.enable_backward_allreduce = False    # the wave's all-reduce happens in the update instead
         # DeepSpeed's fp32 clipping all-reduces the norm over every rank, but a wave updates alone;
         # every task holds the same averaged gradient, so each clips locally to the same result.
@@ -88,10 +90,13 @@ class WaveletEngine(DeepSpeedEngine):
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.own_steps = 0
         self.partner_starts: list = []            # starts of the partner's steps, from its messages
-        epoch = torch.tensor([time.time()], dtype=torch.float64)
-        dist.broadcast(epoch, 0)                  # step times travel as float32 seconds since this shared epoch
-        self.epoch = float(epoch)
-        self.pending_send = None
+        self.store = dist.PrefixStore("ds_chimera/wavelet/", dist.distributed_c10d._get_default_store().clone())
+        if dist.get_rank() == 0:                  # step times travel as float32 seconds since this shared epoch
+            self.store.set("epoch", repr(time.time()))
+        self.epoch = float(self.store.get("epoch"))
+        numel = sum(p.numel() for p in self.params)
+        self.channel = PairChannel(self.store, self.layout.rank, self.layout.partner, numel + 3, wavelet["timeout"])
+        self._same_start()
         self.step_starts: list = []               # wall-clock start of each step (first forward after a step)
         self.work_times: list = []                # each step's duration from its start to its update
         self.last_wait = 0.0                      # seconds the last step waited to keep the offset
@@ -146,9 +151,8 @@ class WaveletEngine(DeepSpeedEngine):
         The cycle is not measured yet: it is taken as 3x the tick's first forward (a backward
         of about 2F). From then on :meth:`_keep_offset` holds the measured offset.
         """
-        signal = torch.empty(2, dtype=torch.float32, device=self.device)
-        self._wait(lambda: dist.irecv(signal, self.layout.partner),
-                   f"the tick wave's start signal from task {self.layout.partner} (same device)")
+        signal = self.channel.recv(2, self.device,
+                                   f"the tick wave's start signal from task {self.layout.partner} (same device)")
         tick_start, tick_fwd = float(signal[0]) + self.epoch, float(signal[1])
         self.last_wait = max(0.0, tick_start + self.wavelet["offset"] * 3 * tick_fwd - time.time())
         if self.last_wait > 0:
@@ -221,27 +225,32 @@ class WaveletEngine(DeepSpeedEngine):
         high = float(torch.tensor(since, dtype=torch.float32))
         self._send(torch.cat([flat, torch.tensor([cycle, high, since - high], dtype=flat.dtype, device=flat.device)]))
 
+    def _same_start(self) -> None:
+        """Both waves start from one model: each tock task takes its tick partner's weights (DeepSpeed's
+        initial broadcast covers one wave)."""
+        flat = _flatten_dense_tensors([p.detach().float() for p in self.params])
+        if self.layout.wave == TICK:
+            self._send(flat)
+            self.channel.flush(f"the initial weights' read by task {self.layout.partner}")
+        else:
+            start = self.channel.recv(flat.numel(), self.device, f"task {self.layout.partner}'s initial weights")
+            with torch.no_grad():
+                for p, q in zip(self.params, _unflatten_dense_tensors(start, self.params)):
+                    p.copy_(q)
+
     def _send(self, payload: torch.Tensor) -> None:
-        """Post a send to the partner; the previous one must be complete (one buffer in flight)."""
-        if self.pending_send is not None:
-            self._wait(self.pending_send, f"the previous send to task {self.layout.partner}")
-        self._send_buffer = payload                # keep it alive until the send completes
-        self.pending_send = self._post(lambda: dist.isend(payload, self.layout.partner),
-                                       f"a send to task {self.layout.partner}")
+        """Write a message for the partner (it must have read the previous one: one buffer in flight)."""
+        self.channel.send(payload, f"a message to task {self.layout.partner}")
 
     def _recv_partner(self) -> tuple:
         numel = sum(p.numel() for p in self.params)
-        buf = torch.empty(numel + 3, dtype=torch.float32, device=self.device)
         other = "tock" if self.layout.wave == TICK else "tick"
-        self._wait(lambda: dist.irecv(buf, self.layout.partner),
-                   f"the {other} wave's gradient from task {self.layout.partner} (same device)")
+        buf = self.channel.recv(numel + 3, self.device,
+                                f"the {other} wave's gradient from task {self.layout.partner} (same device)")
         return buf[:numel], float(buf[numel]), float(buf[numel + 1]) + float(buf[numel + 2]) + self.epoch
 
     def _wait(self, work, what: str) -> None:
         wait_or_fail(work, self.wavelet["timeout"], what, source="ds_chimera wavelet", peer="a task")
-
-    def _post(self, post, what: str):
-        return post_or_fail(post, what, source="ds_chimera wavelet", peer="a task")
 
     def drain(self) -> None:
         """Apply the tock wave's last update on the tick wave too: afterwards every task holds
@@ -257,9 +266,7 @@ class WaveletEngine(DeepSpeedEngine):
             partner, _, _ = self._recv_partner()
             self._load_grads(partner)
             super()._take_model_step(None)
-        if self.pending_send is not None:
-            self._wait(self.pending_send, f"the last gradient send to task {self.layout.partner}")
-            self.pending_send = None
+        self.channel.flush(f"the last gradient's read by task {self.layout.partner}")
         self.own_steps = 0          # the next step starts a new tick-tock sequence, launch offset included
         self.step_starts.clear()
         self.work_times.clear()
@@ -269,6 +276,34 @@ class WaveletEngine(DeepSpeedEngine):
                         exclude_frozen_parameters=False):
         """DeepSpeed's checkpoint of the drained model (every task then holds the same weights)."""
         self.drain()
-        with faults.guard(f"wavelet save_checkpoint {save_dir}", self.wavelet["timeout"]):
-            return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+        with faults.guard(f"wavelet save_checkpoint {save_dir}", self.wavelet["timeout"]), self._store_barriers():
+            return super().save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
                                            exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, *args, **kwargs):
+        with faults.guard("wavelet load_checkpoint", self.wavelet["timeout"]), self._store_barriers():
+            return super().load_checkpoint(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _store_barriers(self):
+        """DeepSpeed's checkpoint code waits on barriers of the whole world, a group that holds both
+        tasks of a device; during a save or load they are barriers of the rendezvous store instead."""
+        import deepspeed.comm as ds_comm
+        original = ds_comm.barrier
+        world, rank = dist.get_world_size(), dist.get_rank()
+
+        def barrier(*args, **kwargs):
+            self._barriers = getattr(self, "_barriers", 0) + 1
+            key = f"barrier/{self._barriers}"
+            self.store.add(key, 1)
+            deadline = time.monotonic() + self.wavelet["timeout"]
+            while int(self.store.add(key, 0)) < world:
+                if time.monotonic() > deadline:
+                    raise PeerTimeout(f"ds_chimera wavelet: rank {rank} waited {self.wavelet['timeout']:g}s at a "
+                                      f"checkpoint barrier: a task died or is stuck")
+                time.sleep(0.001)
+        ds_comm.barrier = barrier
+        try:
+            yield
+        finally:
+            ds_comm.barrier = original

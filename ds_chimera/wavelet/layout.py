@@ -50,3 +50,51 @@ class WaveLayout:
         node_starts = range(0, self.world, self.local_world)
         first = 0 if wave == TICK else self.devices_per_node
         return [n + first + d for n in node_starts for d in range(self.devices_per_node)]
+
+
+class WaveMPU:
+    """DeepSpeed's model-parallel unit for a Wavelet task: its data-parallel group is its wave.
+
+    With it, every collective DeepSpeed runs (the initial broadcast, a norm) stays within one
+    wave, which has one task per device: no process group holds the two tasks of a device,
+    so the groups can be NCCL's. The groups are created here, collectively, before DeepSpeed's
+    engine exists. The model-parallel groups are this task alone.
+    """
+
+    def __init__(self, layout: WaveLayout, dist):
+        self.layout = layout
+        self.wave_groups = {w: dist.new_group(layout.wave_ranks(w)) for w in (TICK, TOCK)}  # every rank, same order
+        self.own_group = None
+        for rank in range(layout.world):                    # one single-rank group each, in one order
+            group = dist.new_group([rank])
+            if rank == layout.rank:
+                self.own_group = group
+        self.wave_ranks = layout.wave_ranks(layout.wave)
+
+    def get_data_parallel_group(self):
+        return self.wave_groups[self.layout.wave]
+
+    def get_data_parallel_world_size(self) -> int:
+        return len(self.wave_ranks)
+
+    def get_data_parallel_rank(self) -> int:
+        return self.wave_ranks.index(self.layout.rank)
+
+    def get_model_parallel_group(self):
+        return self.own_group
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_sequence_parallel_world_size = get_model_parallel_world_size
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.layout.rank

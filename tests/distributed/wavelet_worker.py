@@ -18,7 +18,7 @@ import torch.distributed as tdist
 
 import deepspeed
 import ds_chimera  # noqa: F401
-from ds_chimera.wavelet import wavelet_reference
+from ds_chimera.wavelet import WaveLayout, wavelet_reference
 
 WIDTH, MICRO, LR = 8, 2, 0.05
 
@@ -55,9 +55,39 @@ def train(engine, steps):
     engine.drain()
 
 
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "all_gather_object", "broadcast_object_list", "barrier", "isend", "irecv", "send", "recv", "reduce")
+
+
+def record_groups(calls: list) -> None:
+    """Log the ranks of every group a collective or message runs on (what NCCL would build a communicator for)."""
+    for name in COLLECTIVES:
+        original = getattr(tdist, name)
+
+        def wrapped(*args, original=original, name=name, **kwargs):
+            group = kwargs.get("group")
+            ranks = tdist.get_process_group_ranks(group) if group not in (None, tdist.group.WORLD) else \
+                list(range(tdist.get_world_size()))
+            if name in ("isend", "irecv", "send", "recv"):
+                peer = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
+                ranks = sorted({tdist.get_rank(), peer})
+            calls.append((name, ranks))
+            return original(*args, **kwargs)
+        setattr(tdist, name, wrapped)
+
+
 def equivalence(out_path, steps=4):
+    calls = []
+    record_groups(calls)
     engine = engine_for(60)
     train(engine, steps)
+    checkpoint_dir = os.path.join(os.path.dirname(out_path), "ckpt")
+    engine.save_checkpoint(checkpoint_dir, tag="t")
+    engine.load_checkpoint(checkpoint_dir, tag="t")
+    layout = engine.layout
+    pairs = [{r, WaveLayout(r, layout.world, layout.local_world).partner} for r in range(layout.world)]
+    # (the comparison below is the test's own, on the world group: it comes after)
+    shared = sorted({(name, tuple(ranks)) for name, ranks in calls if any(pair <= set(ranks) for pair in pairs)})
     mine = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
     gathered = [torch.zeros_like(mine) for _ in range(tdist.get_world_size())]
     tdist.all_gather(gathered, mine)
@@ -81,6 +111,7 @@ def equivalence(out_path, steps=4):
                   "max_diff_between_tasks": max((g - gathered[0]).abs().max().item() for g in gathered),
                   "max_diff_sync": (gathered[0] - sync_flat).abs().max().item(),
                   "global_steps": engine.global_steps, "updates": 2 * steps,
+                  "calls": len(calls), "groups_with_a_device_pair": shared,
                   "waves": {"tick": engine.layout.wave_ranks(0), "tock": engine.layout.wave_ranks(1)}}
         with open(out_path + ".tmp", "w") as fh:
             json.dump(result, fh)

@@ -1,0 +1,94 @@
+"""The two tasks of one device talk through shared memory, not through a process group.
+
+NCCL refuses two ranks of one communicator on one device, and Wavelet puts two tasks on
+each device: so no process group may hold both. Each wave has its own group (one task per
+device); the partner messages (a wave's averaged gradient, the timing of its steps) go
+through this channel instead: one shared-memory buffer per direction, mapped by both
+tasks, and two counters in the rendezvous store (messages written, messages read) that
+order the writes and the reads. One message is in flight per direction: a writer waits
+until its previous message was read. Bounded waits: a partner that stops is a clear error.
+
+Tensors on an accelerator are staged through host memory. (CUDA IPC between the two
+processes would avoid that copy; it needs a GPU to build and verify, and is not done.)
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import uuid
+
+import torch
+
+from ..runtime.p2p import PeerTimeout
+
+POLL_S = 0.0005
+
+
+def _folder() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class PairChannel:
+    """Messages of up to ``capacity`` floats between this task and its ``partner`` (same device)."""
+
+    def __init__(self, store, rank: int, partner: int, capacity: int, timeout_s: float):
+        self.store, self.rank, self.partner = store, rank, partner
+        self.capacity, self.timeout_s = capacity, timeout_s
+        if rank == 0:
+            store.set("wavelet/job", uuid.uuid4().hex)
+        job = store.get("wavelet/job").decode()
+        self.out_path = os.path.join(_folder(), f"ds_chimera_wavelet_{job}_{rank}_to_{partner}")
+        in_path = os.path.join(_folder(), f"ds_chimera_wavelet_{job}_{partner}_to_{rank}")
+        self.outbox = torch.from_file(self.out_path, shared=True, size=capacity + 1, dtype=torch.float32)
+        store.set(f"wavelet/ready/{rank}", "1")
+        self._wait_for(lambda: store.check([f"wavelet/ready/{partner}"]), f"task {partner}'s channel")
+        self.inbox = torch.from_file(in_path, shared=True, size=capacity + 1, dtype=torch.float32)
+        os.unlink(in_path)                 # both mapped: the name is no longer needed (the partner unlinks ours)
+        self.sent = self.received = 0
+
+    def _key(self, kind: str, src: int, dst: int) -> str:
+        return f"wavelet/{kind}/{src}-{dst}"
+
+    def _count(self, key: str) -> int:
+        return int(self.store.add(key, 0))
+
+    def _wait_for(self, ready, what: str) -> None:
+        start = time.monotonic()
+        while not ready():
+            if time.monotonic() - start > self.timeout_s:
+                raise PeerTimeout(f"ds_chimera wavelet: {what} did not arrive after {self.timeout_s:g}s: a task "
+                                  f"died or is stuck")
+            time.sleep(POLL_S)
+
+    def send(self, payload: torch.Tensor, what: str) -> None:
+        """Write ``payload`` for the partner once it has read the previous message."""
+        if payload.numel() > self.capacity:
+            raise ValueError(f"wavelet channel: a message of {payload.numel()} floats, capacity {self.capacity}")
+        read_key = self._key("read", self.rank, self.partner)
+        self._wait_for(lambda: self._count(read_key) >= self.sent, f"task {self.partner}'s read of {what}")
+        self.outbox[0] = payload.numel()
+        self.outbox[1:1 + payload.numel()].copy_(payload.detach().reshape(-1).to("cpu", torch.float32))
+        self.sent += 1
+        self.store.add(self._key("sent", self.rank, self.partner), 1)
+
+    def recv(self, numel: int, device, what: str) -> torch.Tensor:
+        """The partner's next message (``numel`` floats) on ``device``."""
+        sent_key = self._key("sent", self.partner, self.rank)
+        self._wait_for(lambda: self._count(sent_key) > self.received, what)
+        if int(self.inbox[0]) != numel:
+            raise RuntimeError(f"wavelet channel: expected {numel} floats from task {self.partner}, got "
+                               f"{int(self.inbox[0])}")
+        out = self.inbox[1:1 + numel].clone().to(device)
+        self.received += 1
+        self.store.add(self._key("read", self.partner, self.rank), 1)
+        return out
+
+    def flush(self, what: str) -> None:
+        """Wait until the partner has read every message sent so far."""
+        read_key = self._key("read", self.rank, self.partner)
+        self._wait_for(lambda: self._count(read_key) >= self.sent, what)
+
+    def close(self) -> None:
+        if os.path.exists(self.out_path):
+            os.unlink(self.out_path)
