@@ -50,7 +50,7 @@ def tiny_model(kind: str, layers: int):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", default="chimera", help="any ds_chimera schedule (ds-chimera list)")
+    parser.add_argument("--schedule", default="chimera", help="any ds_chimera schedule (ds-chimera schedules)")
     parser.add_argument("--deepspeed", default=None, help="a DeepSpeed config file instead of --schedule")
     parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
     parser.add_argument("--layers", type=int, default=6)

@@ -4,7 +4,7 @@ The executor (:mod:`.executor`) knows the program's ops and autograd, nothing el
 differs between hosts is behind this protocol, implemented by:
 
 - :class:`~ds_chimera.runtime.host.PipelineHost`: the DeepSpeed engine's (synchronous);
-- :class:`~ds_chimera.runtime.async_host.AsyncPipelineHost`: the asynchronous engine's
+- :class:`~ds_chimera.runtime.async_engine.AsyncPipelineHost`: the asynchronous engine's
   (weight versions, one stage's step inside the pipeline);
 - ``ds_chimera.megatron.contract.MegatronHost``: Megatron-Core's forward-backward contract;
 - :class:`~ds_chimera.runtime.local.LocalHost`: every rank in one process (tests, studies).

@@ -221,12 +221,12 @@ def make_plan(config: dict, num_stages: int, dp: int, num_layers: int, parts_fn)
     reshard = runtime.get("reshard_after_forward", True)
     if not isinstance(reshard, bool):
         raise ValueError(f'"pipeline": reshard_after_forward must be true or false, got {reshard!r}')
+    if "reshard_after_forward" in runtime and zero != 3:
+        raise ValueError('"pipeline": reshard_after_forward applies to ZeRO stage 3 only; this config runs '
+                         f"ZeRO stage {zero}")
     if zero >= 2:
         check_sharding(config, zero, schedule)
         program, eval_program = sharded_programs(program, eval_program, zero, reshard)
-    elif "reshard_after_forward" in runtime:
-        raise ValueError('"pipeline": reshard_after_forward applies to ZeRO stage 3 only; this config runs '
-                         f"ZeRO stage {zero}")
     parts = parts_fn(schedule.placement.num_stages, runtime.get("partition_method"))
     clip = float(config.get("gradient_clipping", 0.0))       # DeepSpeed's default: no clipping
     zero1_reduce = check_choice('"pipeline"', "zero1_reduce", runtime.get("zero1_reduce", "chunk"), ZERO1_REDUCE)

@@ -1,7 +1,7 @@
 """Find schedules by name: the package's own and any registered by other packages.
 
-Schedules are registered through the ``ds_chimera.schedules`` entry-point group, which
-is how this package registers its own; a third-party package adds one in its setup:
+The package's own are listed once, in :func:`_builtin`. Another package registers one
+through the ``ds_chimera.schedules`` entry-point group, in its setup:
 ``entry_points={"ds_chimera.schedules": ["mine = mypkg.sched:MySchedule"]}``.
 """
 from __future__ import annotations
