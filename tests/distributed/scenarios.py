@@ -2,6 +2,7 @@
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch.distributed as tdist
@@ -20,12 +21,17 @@ def run_scenarios(scenarios: dict, out_path: str, names: list) -> None:
     failure), never into a result that looks like a pass.
     """
     results = {}
+    timing = os.environ.get("DS_CHIMERA_SCENARIO_TIMES")      # a path: each scenario's seconds, for trimming
     for name in names:
+        start = time.perf_counter()
         try:
             results[name] = scenarios[name]()
         except Exception:
             print(traceback.format_exc(), file=sys.stderr, flush=True)
             raise
+        if timing and tdist.get_rank() == 0:
+            with open(timing, "a") as fh:
+                fh.write(f"{time.perf_counter() - start:.2f} {name}\n")
     rank = tdist.get_rank()
     for path in [rank_path(out_path, rank)] + ([out_path] if rank == 0 else []):
         with open(path + ".tmp", "w") as fh:
