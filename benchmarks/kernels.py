@@ -8,7 +8,7 @@ CPU: forward + backward (input and weight gradient) at K=31, C=512, T=512, B=8, 
 for the cpp backend and the pure-torch ``unfold`` and ``band`` algorithms, through autograd.
 Layers: each layer (T x B x C in and out) against its op on the layer's own (T x B x C)
 tensors, forward + backward; DynamicConv's kernel prediction (Linear, softmax) is timed
-alone and added to its op. Decoding: one token per call through ``incremental_state``
+alone and added to its op; the op on contiguous B x C x T tensors for scale. Decoding: one token per call through ``incremental_state``
 (beam B=8), against fairseq's incremental step as tests/test_ops_fairseq.py re-derives it
 (keep the last K-1 inputs, unfold one step, bmm).
 GPU: each Triton kernel's achieved bandwidth as a fraction of the HBM roofline (a
@@ -126,7 +126,14 @@ def cpu_layers(repeats):
             y = (dynamicconv if dyn else lightconv)(xx, ww, kernel // 2, "cpp")
             torch.autograd.grad(y, (xx, ww), gv)
 
-        runs = {"layer": run_layer, "op": run_op}
+        xc, gc, wc = xv.contiguous(), gv.contiguous(), w.contiguous()
+
+        def run_op_bct():                                        # the op on contiguous B x C x T, for scale
+            xx, ww = xc.detach().requires_grad_(True), wc.detach().requires_grad_(True)
+            y = (dynamicconv if dyn else lightconv)(xx, ww, kernel // 2, "cpp")
+            torch.autograd.grad(y, (xx, ww), gc)
+
+        runs = {"layer": run_layer, "op": run_op, "op_bct": run_op_bct}
         if dyn:
             linear = torch.nn.Linear(channels, heads * kernel, bias=False)
 
@@ -142,7 +149,8 @@ def cpu_layers(repeats):
         rows[name]["layer_over_op"] = round(times["layer"] / base, 3)
         extra = f" + predict {times['predict'] * 1e3:7.2f}" if dyn else ""
         print(f"CPU {name:<12} layer {times['layer'] * 1e3:8.2f} ms   op {times['op'] * 1e3:8.2f}{extra} ms   "
-              f"layer / (op{' + predict' if dyn else ''}) = {rows[name]['layer_over_op']:.3f}", flush=True)
+              f"layer / (op{' + predict' if dyn else ''}) = {rows[name]['layer_over_op']:.3f}   "
+              f"(op on contiguous B x C x T {times['op_bct'] * 1e3:.2f} ms)", flush=True)
     return {"shape": f"T={time_} B={batch} C={channels} H={heads} K={kernel} fp32, padding K//2, fwd+bwd",
             "threads": torch.get_num_threads(), **rows}
 

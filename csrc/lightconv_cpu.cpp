@@ -9,8 +9,9 @@
 //   * rows: one (b, c) row at a time, copied into a zero-padded accumulator-typed buffer, so
 //     the inner loops are branch-free contiguous loops over t ("for each k: out[t] += w_k *
 //     xp[t + k]"). For tensors whose time steps are contiguous (or any other layout).
-//   * channels-last: one (b, head, channel block) at a time, walking t, the inner loops over
-//     contiguous channels. For tensors whose channels are contiguous (T x B x C, B x T x C).
+//   * channels-last: one (b, chunk of 64 steps) at a time, walking t; per step every head and
+//     block of up to 64 contiguous channels, accumulated in registers. For tensors whose
+//     channels are contiguous (T x B x C, B x T x C).
 // Outputs take the input's layout (at::empty_like), and the fused backward computes both
 // gradients in one pass over grad_y and x. Accumulation is fp32 for fp32/fp16/bf16 and fp64
 // for fp64. Work is split with at::parallel_for (OpenMP) into tasks that each own their

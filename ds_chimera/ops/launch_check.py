@@ -284,7 +284,7 @@ def cache_key(launch: Launch) -> str:
     from triton.compiler.compiler import get_cache_key
     backend = _backend()
     options = backend.parse_options(_options(launch))
-    return get_cache_key(_source(launch), backend, options, {})
+    return hashlib.sha256(get_cache_key(_source(launch), backend, options, {}).encode()).hexdigest()
 
 
 def _cache_file() -> Path:
