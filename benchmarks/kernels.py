@@ -43,13 +43,18 @@ def cpu_time(fn, repeats):
 
 
 def interleaved(runs: dict, repeats: int) -> dict:
-    """Median seconds of each of ``runs``, timed in turn (on a shared machine a drift in load
-    then hits all of them alike)."""
+    """Median seconds of each of ``runs``, timed in turn, in a shuffled order each round (on a
+    shared machine a drift in load then hits all of them alike, and no run always follows the
+    same one)."""
+    import random
+    order = random.Random(0)
     for fn in runs.values():
         fn()
     times = {name: [] for name in runs}
     for _ in range(repeats):
-        for name, fn in runs.items():
+        names = list(runs)
+        order.shuffle(names)
+        for name, fn in ((n, runs[n]) for n in names):
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
@@ -394,6 +399,7 @@ def main():
     parser.add_argument("--gpu-only", action="store_true")
     parser.add_argument("--cpu-only", action="store_true")
     parser.add_argument("--layers", action="store_true", help="only the layer and decoding rows on CPU")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the CPU rows")
     parser.add_argument("--correctness", action="store_true", help="only the Triton correctness grid")
     parser.add_argument("--roofline", action="store_true", help="only the roofline table")
     parser.add_argument("--warm", action="store_true", help="with --roofline: run each cell once, time nothing")
@@ -429,6 +435,8 @@ def main():
         return
     repeats = 3 if args.quick else 7
     out = {}
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if not args.gpu_only:
         if not args.layers:
             out["cpu"] = cpu_part(repeats)
