@@ -1,48 +1,172 @@
-"""``ds-chimera launch`` makes an unchanged script use the configured schedule."""
+"""``ds-chimera launch`` makes an unchanged script train with the configured schedule.
+
+Each launched run's losses (and, for Wavelet, its weights) are compared with one-process
+references written here, so that a launcher that starts the processes but trains the wrong
+thing (no schedule, another schedule, other data or hyperparameters) fails. Synchronous
+schedules all equal plain training; the asynchronous one equals the independent model of its
+method (distributed/async_reference.py), whose losses differ from plain training's.
+"""
+import copy
+import json
 import os
+import re
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from netutil import free_port
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed", "unchanged_script.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "distributed", "unchanged_script.py")
+DP_SCRIPT = os.path.join(HERE, "distributed", "unchanged_dp_script.py")
+sys.path.insert(0, os.path.join(HERE, "distributed"))
+import async_reference  # noqa: E402
+
+# what unchanged_script.py trains: 4 Linear(4, 4) layers seeded base_seed + index, 2 stages, SGD
+STEPS, MICRO_BATCHES, BASE_SEED, LR = 4, 4, 1234, 0.1
 
 
 def run(*args):
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "ds_chimera.cli", *args], capture_output=True, text=True,
-                          timeout=300, env=env)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=env)
 
 
-def test_launch_enables_the_schedule_without_code_changes():
-    proc = run("launch", "--torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), SCRIPT, "chimera")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("ENGINE=ScheduledPipelineEngine") == 2
+def launch(*args):
+    return run("-m", "ds_chimera.cli", "launch", "--torchrun", *args)
+
+
+def reports(proc) -> list:
+    """One dict per process: the KEY=VALUE fields of its ENGINE= report (JSON values where they parse),
+    found anywhere in the output: the ranks share one pipe, and a report may follow another process's
+    partial line or run into the next report."""
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = []
+    for report in re.findall(r"ENGINE=.*?(?=ENGINE=|\n|$)", proc.stdout):
+        fields = {}
+        for item in report.split():
+            key, _, value = item.partition("=")
+            try:
+                fields[key] = json.loads(value)
+            except json.JSONDecodeError:
+                fields[key] = value
+        out.append(fields)
+    return out
+
+
+def pipeline_layers():
+    layers = []
+    for idx in range(4):
+        torch.manual_seed(BASE_SEED + idx)
+        layers.append(torch.nn.Linear(4, 4))
+    return layers
+
+
+def pipeline_batches(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return [(torch.randn(1, 4, generator=g), torch.randn(1, 4, generator=g)) for _ in range(MICRO_BATCHES)]
+
+
+def plain_training_losses():
+    """Every synchronous schedule: plain SGD on the mean loss of each call's micro-batches."""
+    model = torch.nn.Sequential(*pipeline_layers())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        batches = pipeline_batches(step)
+        loss = sum(torch.nn.functional.mse_loss(model(x), y) for x, y in batches) / len(batches)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def async_model_losses(method):
+    """An asynchronous schedule: the independent model of its method, one stage per rank."""
+    layers = pipeline_layers()
+    stages = [torch.nn.Sequential(*layers[:2]), torch.nn.Sequential(*layers[2:])]
+    model = async_reference.AsyncReference(method, stages, lambda: async_reference.SGD(LR))
+    return [model.train_call(pipeline_batches(step)) for step in range(STEPS)]
+
+
+def assert_losses(got, want):
+    assert len(got) == len(want) == STEPS
+    assert all(abs(a - b) <= 1e-6 * abs(b) + 1e-7 for a, b in zip(got, want)), (got, want)
+
+
+@pytest.mark.parametrize("schedule,engine", [("chimera", "ScheduledPipelineEngine"),
+                                             ("pipeoptim", "AsyncPipelineEngine")])
+def test_launch_trains_the_configured_schedule_without_code_changes(schedule, engine):
+    proc = launch("--nproc_per_node", "2", "--master_port", str(free_port()), SCRIPT, schedule)
+    ranks = reports(proc)
+    assert len(ranks) == 2, proc.stdout[-3000:]
+    if schedule == "pipeoptim":
+        want = async_model_losses("pipeoptim")
+        # the method's losses are its own: a launcher that ran plain 1F1B (or dropped the schedule) would differ
+        assert max(abs(a - b) for a, b in zip(want, plain_training_losses())) > 1e-2
+    else:
+        want = plain_training_losses()
+    for r in ranks:              # every rank reports the global mean loss of each call
+        assert r["ENGINE"] == engine and r["SCHEDULE"] == schedule, r
+        assert_losses(r["LOSSES"], want)
 
 
 def test_without_the_launcher_deepspeed_is_untouched():
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(free_port()), SCRIPT, "chimera"], capture_output=True, text=True,
-                          timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("ENGINE=PipelineEngine") == 2
+    """Plain torchrun: DeepSpeed's own PipelineEngine ignores the schedule key and trains plain 1F1B."""
+    proc = run("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), SCRIPT,
+               "pipeoptim")
+    ranks = reports(proc)
+    assert len(ranks) == 2, proc.stdout[-3000:]
+    for r in ranks:
+        assert r["ENGINE"] == "PipelineEngine" and r["SCHEDULE"] is None, r
+        assert_losses(r["LOSSES"], plain_training_losses())
 
 
-DP_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed", "unchanged_dp_script.py")
+def wavelet_reference(steps=3, lr=0.1):
+    """Tick-tock data parallelism on one device: updates alternate between the tick task (rank 0) and the
+    tock task (rank 1), each update's gradient computed on the weights one update older than the ones it
+    is applied to: W(n+1) = W(n) - lr * g(W(n-1)), W(-1) = W(0). Returns (losses per rank, final weights)."""
+    torch.manual_seed(0)                      # as unchanged_dp_script.py builds its model
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    history = [[p.detach().clone() for p in model.parameters()]]         # the weights after n updates
+    losses = {0: [], 1: []}
+    for n in range(2 * steps):
+        rank, step = n % 2, n // 2
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        stale = copy.deepcopy(model)
+        with torch.no_grad():
+            for p, w in zip(stale.parameters(), history[max(n - 1, 0)]):
+                p.copy_(w)
+        loss = stale(x).pow(2).mean()
+        loss.backward()
+        losses[rank].append(loss.item())
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), stale.parameters()):
+                p -= lr * q.grad
+        history.append([p.detach().clone() for p in model.parameters()])
+    return losses, [p.detach().flatten().tolist() for p in model.parameters()]
 
 
 def test_launch_wavelet_starts_two_tasks_per_device():
-    proc = run("launch", "--wavelet", "--torchrun", "--nproc_per_node", "1", "--master_port", str(free_port()),
-               DP_SCRIPT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = launch("--wavelet", "--nproc_per_node", "1", "--master_port", str(free_port()), DP_SCRIPT)
     # two tasks for one device (on CPU LOCAL_RANK is kept: DeepSpeed's shared-memory collectives key on it)
-    assert proc.stdout.count("ENGINE=WaveletEngine") == 2
+    tasks = reports(proc)
+    assert sorted(t["RANK"] for t in tasks) == [0, 1], proc.stdout[-3000:]
+    losses, weights = wavelet_reference()
+    for t in tasks:
+        assert t["ENGINE"] == "WaveletEngine", t
+        got, want = t["LOSSES"], losses[t["RANK"]]
+        assert len(got) == len(want) == 3 and all(abs(a - b) <= 1e-6 for a, b in zip(got, want)), (t["RANK"], got, want)
+        flat = [v for tensor in t["WEIGHTS"] for v in tensor]
+        ref = [v for tensor in weights for v in tensor]
+        assert len(flat) == len(ref) == 25 and max(abs(a - b) for a, b in zip(flat, ref)) <= 1e-6
 
 
 def test_launch_wavelet_needs_the_device_count():
     from ds_chimera.launch import double_processes
     assert double_processes(["--num_gpus", "2", "x.py"]) == (["--num_gpus", "4", "x.py"], 2)
     assert double_processes(["--nproc_per_node=3", "x.py"]) == (["--nproc_per_node=6", "x.py"], 3)
-    proc = run("launch", "--wavelet", "--torchrun", DP_SCRIPT)
+    proc = run("-m", "ds_chimera.cli", "launch", "--wavelet", "--torchrun", DP_SCRIPT)
     assert proc.returncode == 2 and "needs the number of devices per node" in proc.stderr
