@@ -413,8 +413,8 @@ def test_local_pipeline_equals_the_independent_model(name, stages, n, optimizer,
     modules = [_stage() for _ in range(stages)]
     mine = copy.deepcopy(modules)
     start = copy.deepcopy(modules)
-    pipe = LocalPipeline(registry.build(name, stages, n, **options), modules, [torch_opt(m.parameters()) for m in modules],
-                         nn.functional.mse_loss, clip=clip)
+    pipe = LocalPipeline(registry.build(name, stages, n, **options), modules,
+                         [torch_opt(m.parameters()) for m in modules], nn.functional.mse_loss, clip=clip)
     reference = model.AsyncReference(name, mine, model_opt, clip=clip,
                                      steps_ahead=options.get("steps_ahead", "paper"),
                                      predictor="last-update" if options.get("predictor") == "last-update"
