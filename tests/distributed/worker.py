@@ -595,7 +595,7 @@ def async_versus_local(schedule, stages, dp, n, calls=2, bf16=False, clip=NO_CLI
             "reference_tensors": sum(1 for layer in model_layers for _ in layer.parameters()),
             "model_losses": model_losses, "model_loss_diff": max(abs(a - b) for a, b in zip(losses, model_losses)),
             "norms": norms, "model_norms": [model.norms[stage][(c + 1) * updates - 1] for c in range(calls)],
-            "clip": clip, "updates_clipped": sum(x > clip for norms in model.norms for x in norms),
+            "clip": clip, "updates_clipped": sum(x > clip for per_stage in model.norms for x in per_stage),
             "updates": sum(map(len, model.norms)),
             "model_versions_held": versions_held(schedule, stages, n, options.get("update_interval"),
                                                  options.get("steps_ahead", "paper")),
