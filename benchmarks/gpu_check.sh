@@ -16,11 +16,18 @@
 #   5. roofline  forward/backward, LightConv/DynamicConv, fp32/bf16, K in 3 7 15 31 64 127,
 #                centred and causal, in the layers' T x B x C (and B x C x T at K = 7, 31):
 #                time and share of HBM bandwidth
-# Time limits add up to 7 min 45 s (20 + 20 + 170 + 110 + 75 + 45 + 45); the runtime and Wavelet
-# hooks get 45 s each: their owners size their checks to fit.
-#   6. runtime   HOOK for the runtime-on-CUDA check (benchmarks/gpu_runtime_check.py, by others)
-#   7. wavelet   HOOK for Wavelet's two tasks on one GPU (benchmarks/gpu_wavelet_check.py, by others)
-# The summary (OUT_DIR/summary.txt) lists each step's status and the roofline table.
+#   6. runtime   benchmarks/gpu_runtime_check.py, one rank on NCCL: every synchronous schedule at D = 1
+#                (tests/distributed/worker.py's equiv-1x1-* in fp32 and bf16-1x1-* against one-process
+#                training), LocalPipeline training the DynamicConv LM on the GPU against plain training,
+#                and one traced engine step (device-event clock, one trace event per compute action)
+#   7. wavelet   benchmarks/gpu_wavelet_check.py, two processes on the one GPU: Wavelet's tick and tock
+#                tasks (final weights = the staleness-1 recurrence), then the same model as two
+#                gang-scheduled data-parallel tasks; per-device peak of allocated memory, Wavelet / gang
+#                <= 0.8 (the dry run reports RSS instead, and no ratio)
+# Time limits add up to 7 min 45 s (20 + 20 + 170 + 110 + 75 + 45 + 45); steps 6 and 7 stop their own
+# workers a few seconds before their 45 s and report what finished. Each writes OUT_DIR/<step>/summary.txt
+# and a JSON of every number, and exits 1 on a failed check, 3 on a check that could not run.
+# The summary (OUT_DIR/summary.txt) lists each step's status, the roofline table and steps 6-7's summaries.
 set -uo pipefail
 
 DRY_RUN=0
@@ -105,20 +112,22 @@ if [[ -f "$OUT/roofline.json" ]]; then
   "$PY" benchmarks/kernels.py --table "$OUT/roofline.json" | tee -a "$SUMMARY"
 fi
 
-# 6. HOOK: the runtime on CUDA (every schedule at D = 1, LocalPipeline with a real model, traces
-#    timed with device events). Owned by the runtime's maintainers; runs if present.
+# 6. the runtime on CUDA: every synchronous schedule at D = 1 on the engine, LocalPipeline with the
+#    DynamicConv LM on the device, a trace timed with device events (see the script's docstring)
 if [[ -f benchmarks/gpu_runtime_check.py ]]; then
   step runtime 45 "$PY" benchmarks/gpu_runtime_check.py --out "$OUT/runtime" $( (( DRY_RUN )) && echo --dry-run )
+  [[ -f "$OUT/runtime/summary.txt" ]] && sed 's/^/  /' "$OUT/runtime/summary.txt" >> "$SUMMARY"
 else
-  note "runtime      skipped: benchmarks/gpu_runtime_check.py not present (hook for the runtime's check)"
+  note "runtime      skipped: benchmarks/gpu_runtime_check.py not present"
 fi
 
-# 7. HOOK: Wavelet's two tasks on one GPU with the peak memory per device. Owned by Wavelet's
-#    maintainers; runs if present.
+# 7. Wavelet's two tasks on one GPU: equality with the staleness-1 recurrence, and the peak memory per
+#    device against two gang-scheduled tasks (see the script's docstring)
 if [[ -f benchmarks/gpu_wavelet_check.py ]]; then
   step wavelet 45 "$PY" benchmarks/gpu_wavelet_check.py --out "$OUT/wavelet" $( (( DRY_RUN )) && echo --dry-run )
+  [[ -f "$OUT/wavelet/summary.txt" ]] && sed 's/^/  /' "$OUT/wavelet/summary.txt" >> "$SUMMARY"
 else
-  note "wavelet      skipped: benchmarks/gpu_wavelet_check.py not present (hook for Wavelet's check)"
+  note "wavelet      skipped: benchmarks/gpu_wavelet_check.py not present"
 fi
 
 note "total $(( $(date +%s) - START ))s; output in $OUT"
