@@ -216,7 +216,7 @@ def test_resolve_takes_the_arguments_and_the_pipelines_data_parallel_size():
 
 
 @pytest.mark.parametrize("config,world,message", [
-    (pipe_config(zero_optimization={"stage": 3}), 4, "ZeRO stage 3 does not compose with pipeline schedules"),
+    (pipe_config(zero_optimization={"stage": 3}), 4, "ZeRO stage 3 with pipeline schedules runs on ds_chimera's DeepSpeed engine only"),
     (pipe_config(train_batch_size=9), 4, "train_batch_size=9 disagrees with per_device_train_batch_size 2 x "
                                           "gradient_accumulation_steps 4 x data-parallel size 1 (world size 4 / 4 "
                                           "pipeline stages) = 8; set it to \"auto\""),

@@ -207,3 +207,14 @@ def test_unavailable_warns_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cpp_backend.available() is False
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path):
+    """torch waits forever on its build lock file; one left by a killed build must not hang load()."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not cpp_backend.remove_stale_build_lock(tmp_path) and lock.exists()   # a build in progress
+    old = lock.stat().st_mtime
+    with pytest.warns(RuntimeWarning, match="stale C\\+\\+ build lock"):
+        assert cpp_backend.remove_stale_build_lock(tmp_path, now=old + cpp_backend.STALE_BUILD_LOCK_S + 1)
+    assert not lock.exists() and not cpp_backend.remove_stale_build_lock(tmp_path)

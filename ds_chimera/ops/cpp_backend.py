@@ -11,6 +11,7 @@ import shlex
 import shutil
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -19,6 +20,10 @@ import torch
 
 _NAME = "ds_chimera_lightconv_cpu"
 _SOURCE = "lightconv_cpu.cpp"
+
+# torch's build lock is a bare file; a build killed mid-way leaves it behind and every later
+# load() would wait on it forever. A build takes about a minute, so an older lock is stale.
+STALE_BUILD_LOCK_S = 600.0
 
 _lock = threading.Lock()
 _module = None
@@ -50,6 +55,21 @@ def compiler_found() -> bool:
     return shutil.which(cxx[0]) is not None
 
 
+def remove_stale_build_lock(directory: Path, now: float | None = None) -> bool:
+    """Delete ``directory``/lock if no build has touched it for STALE_BUILD_LOCK_S; True if removed."""
+    lock = directory / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_BUILD_LOCK_S:
+        return False
+    warnings.warn(f"ds_chimera: removing the stale C++ build lock {lock} ({age:.0f} s old, left by a killed "
+                  "build)", RuntimeWarning, stacklevel=3)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def load():
     """The compiled module (built on first call, then cached); raises RuntimeError if it cannot be built."""
     global _module, _error
@@ -65,6 +85,7 @@ def load():
 
             directory = build_dir()
             directory.mkdir(parents=True, exist_ok=True)
+            remove_stale_build_lock(directory)
             # -fopenmp: at::parallel_for is an inline OpenMP loop in the headers; without it the
             # kernels would run on one thread. No -ffast-math: it would change the results.
             openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []

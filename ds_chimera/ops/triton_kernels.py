@@ -1,6 +1,6 @@
 """Triton kernels for lightweight and dynamic convolution (GPU; CPU only under TRITON_INTERPRET=1).
 
-Two families, chosen per call by what measured faster on an H200 (benchmarks/kernel_sweep.py):
+Two families, chosen per call by what measured faster on an H200 (tools/kernel_sweep.py):
 
 * Tap loop (here): one program computes BLOCK_T time steps of one (batch, channel) row, the
   K taps a runtime loop of shifted, masked loads that hit the cache. Fastest below 5 taps,
@@ -241,7 +241,7 @@ def _tap_dynamicconv_backward_weight(grad, x, padding_l, heads, kernel, like=Non
 def _use_window(x, kernel, padding_l, op=""):
     """The window-band kernels serve 5 to 129 taps reaching at most 64 steps either side
     (tiles of at most 64 steps, within Hopper's shared memory). Below 5 taps the tap loop was
-    faster on an H200 (benchmarks/kernel_sweep.py), except for LightConv's 16-bit backward;
+    faster on an H200 (tools/kernel_sweep.py), except for LightConv's 16-bit backward;
     fp64 always takes the tap loop (exact fp64 accumulation)."""
     if not 1 <= kernel <= WINDOW_MAX_K or triton_window.reach(kernel, padding_l) > triton_window.MAX_REACH:
         return False

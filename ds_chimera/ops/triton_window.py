@@ -421,7 +421,7 @@ def _precision(dtype) -> str:
 def launch_config(op: str, dtype, kernel: int, padding_l: int):
     """(tile width, pipeline stages, sliding windows) for ``op`` in {"lightconv_forward",
     "dynamicconv_forward", "lightconv_backward", "dynamicconv_backward"}, from
-    benchmarks/kernel_sweep.py on an H200 (its default sweep, then ``--sliding``).
+    tools/kernel_sweep.py on an H200 (its default sweep, then ``--sliding``).
 
     16-bit: tiles of at least 32 steps, except DynamicConv's forward (its sheared bands grow
     with the tile). fp32: the narrowest tile; its three-pass TF32 products fill shared memory,
