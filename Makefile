@@ -9,11 +9,11 @@ ACCELERATE_VERSION ?= 1.15.0
 TRITON_VERSION ?= 3.9.0
 STAMP := .make-installed
 
-.PHONY: install test demo demo-sim bench clean
+.PHONY: install test test-full demo demo-sim bench clean
 
 $(STAMP): setup.py Makefile
 	$(PYTHON) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PYTHON) -m pip install --quiet "deepspeed==$(DEEPSPEED_VERSION)" "triton==$(TRITON_VERSION)" pytest matplotlib numpy
+	$(PYTHON) -m pip install --quiet "deepspeed==$(DEEPSPEED_VERSION)" "triton==$(TRITON_VERSION)" pytest pytest-xdist matplotlib numpy
 	$(PYTHON) -m pip install --quiet "megatron-core==$(MEGATRON_CORE_VERSION)" \
 		"transformers==$(TRANSFORMERS_VERSION)" "accelerate==$(ACCELERATE_VERSION)"
 	$(PYTHON) -m pip install --quiet --no-build-isolation --no-deps -e .
@@ -21,8 +21,15 @@ $(STAMP): setup.py Makefile
 
 install: $(STAMP)
 
+# Two pytest workers, one test file each at a time: the multi-rank tests wait on each other's
+# messages part of the time, and the second worker fills those gaps.
 test: $(STAMP)
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile tests
+
+# CI's suite plus the variants and grids it leaves out (about 30 min on 2 cores): every shipped
+# config, the whole interpreter kernel grids, 12 cases of the chaos grid.
+test-full: $(STAMP)
+	DS_CHIMERA_FULL=1 DS_CHIMERA_KERNEL_GRID=full DS_CHIMERA_CHAOS=12 $(PYTHON) -m pytest -q -n 2 --dist loadfile tests
 
 # The main job: 4-rank CPU training of a small LM with Chimera, then the Gantt chart of that run.
 demo: $(STAMP)

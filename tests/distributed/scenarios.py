@@ -1,5 +1,4 @@
 """The loop every multi-rank test worker runs: named scenarios on all ranks, one JSON for the tests."""
-import gc
 import json
 import os
 import sys
@@ -11,22 +10,6 @@ import torch.distributed as tdist
 
 def rank_path(out_path: str, rank: int) -> str:
     return f"{out_path}.rank{rank}"
-
-
-def _live_groups() -> list:
-    from torch.distributed import distributed_c10d as c10d
-    return [group for group in list(c10d._world.pg_map) if group is not c10d.GroupMember.WORLD]
-
-
-def _destroy_groups_since(before: set) -> None:
-    """Destroy the groups a scenario created: each holds gloo threads and sockets, and ~150
-    scenarios' worth (2,500 threads per rank) made the kernel's scheduling cost as much as the work."""
-    created = [group for group in _live_groups() if group not in before]
-    if created:
-        tdist.barrier()         # no peer may still be using them (a gloo pair closes under it)
-    for group in created:
-        tdist.destroy_process_group(group)
-    gc.collect()                # the engines hold their groups in reference cycles
 
 
 def run_scenarios(scenarios: dict, out_path: str, names: list) -> None:
@@ -41,13 +24,11 @@ def run_scenarios(scenarios: dict, out_path: str, names: list) -> None:
     timing = os.environ.get("DS_CHIMERA_SCENARIO_TIMES")      # a path: each scenario's seconds, for trimming
     for name in names:
         start = time.perf_counter()
-        before = set(_live_groups())
         try:
             results[name] = scenarios[name]()
         except Exception:
             print(traceback.format_exc(), file=sys.stderr, flush=True)
             raise
-        _destroy_groups_since(before)
         if timing and tdist.get_rank() == 0:
             with open(timing, "a") as fh:
                 threads, fds = len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
