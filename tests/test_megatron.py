@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from netutil import free_port, run_ranks
+from tiers import FULL
 
 pytest.importorskip("megatron.core", reason="megatron-core is installed by `make install`")
 
@@ -182,7 +183,7 @@ def test_launcher_refuses_a_bad_schedule_before_starting_workers():
     assert out.returncode == 2 and "'spectrain' is asynchronous" in out.stderr
 
 
-@pytest.mark.skipif(os.environ.get("DS_CHIMERA_FULL") != "1", reason="make test-full: a smoke run of the example; "
+@pytest.mark.skipif(not FULL, reason="make test-full: a smoke run of the example; "
                     "the contract's equivalence above is CI's")
 def test_example_launch_script_trains_under_the_launcher_flag():
     """examples/megatron_launch.sh (ds-chimera launch --pipeline-schedule zbv, megatron_gpt.py unchanged): loss falls."""

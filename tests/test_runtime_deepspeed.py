@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from netutil import free_port
+from tiers import FULL
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "distributed", "worker.py")
@@ -33,8 +34,6 @@ OTHER = ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv", "actckpt-4x1-chime
          "bad-async-steps-ahead"]
 ASYNC_OPTIONS = {"pipeoptim-code": {"steps_ahead": "code"}, "pipeoptim-last": {"predictor": "last-update"}}
 ASYNC_KEYS = ["pipedream", "pipedream-2bw", "pipeoptim", "spectrain", "pipeoptim-code", "pipeoptim-last"]
-# DS_CHIMERA_FULL=1 (``make test-full``): the variants CI leaves out to stay within its budget
-FULL = os.environ.get("DS_CHIMERA_FULL") == "1"
 ASYNC_BF16 = ["async-bf16-4x1-pipeoptim", "async-bf16-2x2-pipedream"] + (["async-bf16-4x1-spectrain"] if FULL else [])
 ASYNC_BF16_PROBES = ["pipeoptim"] + (["pipedream-2bw"] if FULL else [])
 CONTINUOUS = ["async-continuous-pipeoptim"] + (["async-continuous-pipedream", "async-continuous-spectrain-code"]

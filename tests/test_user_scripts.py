@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from netutil import free_port
+from tiers import FULL
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "distributed", "dsexamples_pipeline.py")
@@ -58,7 +59,7 @@ def stock(tmp_path_factory):
 
 # CI: a schedule other than DeepSpeed's under each launch form; DS_CHIMERA_FULL=1 adds 1f1b (stock's own)
 CASES = [("chimera", "ds-chimera"), ("zbv", "torchrun")] + \
-    ([("1f1b", "ds-chimera")] if os.environ.get("DS_CHIMERA_FULL") == "1" else [])
+    ([("1f1b", "ds-chimera")] if FULL else [])
 
 
 @pytest.mark.parametrize("schedule,launcher", CASES)
