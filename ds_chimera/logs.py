@@ -18,12 +18,11 @@ ENV_LEVEL = "DS_CHIMERA_LOG_LEVEL"
 
 def global_rank() -> int:
     """This process's global rank: torch.distributed's once initialised, else the launcher's."""
-    try:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except ImportError:          # the simulator and CLI run without torch
-        pass
+    # not imported here: the simulator and the CLI run without torch (its import costs seconds),
+    # and a process group exists only where torch.distributed was imported already
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
 
 

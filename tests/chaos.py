@@ -27,6 +27,9 @@ ENGINES = ("1f1b", "chimera", "zbv", "pipeoptim", "wavelet")
 POINTS = ("forward", "backward", "send", "receive", "sync", "step", "save")
 FAULTS = ("raise", "kill", "stop")
 WORLD = 4
+# points an engine never passes in these runs: the asynchronous engine at 4 x 1 has no data
+# parallelism, so no gradient sync (the synchronous programs always end with one)
+ABSENT = {("pipeoptim", "sync")}
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,8 @@ class Case:
 
 def grid(seed: int, size: int | None = None) -> list:
     """A seeded draw of cases over engines, victims, points and faults (all of them when size is None)."""
-    cases = [Case(e, v, p, f) for e in ENGINES for v in range(WORLD) for p in POINTS for f in FAULTS]
+    cases = [Case(e, v, p, f) for e in ENGINES for v in range(WORLD) for p in POINTS for f in FAULTS
+             if (e, p) not in ABSENT]
     random.Random(seed).shuffle(cases)
     return cases if size is None else cases[:size]
 

@@ -11,11 +11,12 @@ import pytest
 import tiers
 from chaos import Case, check_case, grid, run_case
 
-# Within the CI budget: each fault kind once over three engines; DS_CHIMERA_FULL=1 adds the stopped
-# save's resume (the interrupted save is cleaned up and the run resumes exactly). The grid covers
-# every engine, each case with its resume.
+# Within the CI budget: each fault kind once over three engines, and a stopped rank 0 (under env://
+# it hosts the rendezvous store, the channel that carries the news: the others must notice its
+# silence); DS_CHIMERA_FULL=1 adds the stopped save's resume (the interrupted save is cleaned up and
+# the run resumes exactly). The grid covers every engine, each case with its resume.
 SUITE = [(Case("chimera", 1, "forward", "raise"), False), (Case("wavelet", 2, "send", "kill"), False),
-         (Case("zbv", 3, "save", "stop", timeout=5.0), tiers.FULL)]
+         (Case("zbv", 3, "save", "stop", timeout=5.0), tiers.FULL), (Case("wavelet", 0, "receive", "stop"), False)]
 FULL = os.environ.get("DS_CHIMERA_CHAOS")
 CASES = SUITE if not FULL else [(case, True) for case in grid(seed=0, size=None if FULL == "full" else int(FULL))]
 

@@ -20,6 +20,10 @@ after (``LINGER_S``) if its caller does not, so it never lingers. A communicatio
 (a peer's connection closed, a bounded wait expired) is not the rank's own fault: the
 guard first looks for the real origin (a published failure, a dead process, a silent
 heartbeat), so the neighbour whose message did not come is not blamed.
+
+The store itself can fail: under ``env://`` it is a thread of rank 0's process. Every store
+call is bounded (:class:`BoundedStore`); a store that stops answering means its host is
+stopped or frozen, and every other rank ends naming it.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import time
 from datetime import timedelta
 
 from ..logs import get_logger
+from .bounded_store import BoundedStore, StoreUnresponsive
 
 log = get_logger()
 BEAT_S = 0.25             # heartbeat and polling period
@@ -86,6 +91,7 @@ class FaultMonitor:
         store.set(f"peer/{rank}", json.dumps([self.host, self.pid]))
         for key in self._beat_keys:         # every counter exists, so reading them never blocks
             store.add(key, 0)
+        self._peer(0)                       # rank 0's process, examined if the store it hosts freezes
         atexit.register(self.close)
         self._previous_hook = sys.excepthook
         sys.excepthook = self._uncaught
@@ -110,7 +116,20 @@ class FaultMonitor:
 
     @staticmethod
     def line(record: dict) -> str:
+        if record["origin"] is None:        # the launcher's store, no rank
+            return f"ds_chimera: the launcher failed: {record['message']}"
         return f"ds_chimera: rank {record['origin']} failed: {record['message']}"
+
+    def store_silent(self, exc: StoreUnresponsive) -> dict:
+        """The record for a store that stopped answering: its host is the failure."""
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+            return {"origin": None, "reporter": self.rank,
+                    "message": f"its rendezvous store stopped answering ({exc}): the launcher is stopped or frozen"}
+        host, pid = self._peers.get(0, (None, None))
+        state = _process_state(pid) if host == self.host and pid else None
+        how = "is stopped (SIGSTOP)" if state == "stopped" else "stopped responding"
+        return {"origin": 0, "reporter": self.rank,
+                "message": f"it {how}: the rendezvous store it hosts (env://) stopped answering ({exc})"}
 
     # ---- guarding a rank's work ---------------------------------------------------------------
     @contextlib.contextmanager
@@ -138,7 +157,7 @@ class FaultMonitor:
         if known is not None:
             return known
         text = f"{type(exc).__name__}: {exc} (in {what})"
-        if isinstance(exc, PeerTimeout) or _is_comm_error(exc):
+        if isinstance(exc, (PeerTimeout, StoreUnresponsive)) or _is_comm_error(exc):
             culprit = self.find_culprit(BLAME_WAIT_S)
             if culprit is not None:
                 return culprit
@@ -152,6 +171,8 @@ class FaultMonitor:
                 record = self.failure()
                 suspect = None if record is not None else \
                     self._suspect(dead_after=DEAD_AFTER_S, silent_after=min(self.timeout_s, wait_s))
+            except StoreUnresponsive as exc:
+                return self.store_silent(exc)
             except Exception:
                 return {"origin": 0, "reporter": self.rank, "message": STORE_GONE}
             if record is not None:
@@ -253,8 +274,16 @@ class FaultMonitor:
                 self.store.add(f"beat/{self.rank}", 1)
                 record = self.failure()
                 suspect = None
+                if 0 not in self._peers:    # rank 0's process, examined if the store it hosts freezes
+                    self._peer(0)
                 if record is None and polls % self._check_every == 0:
                     suspect = self._suspect(dead_after=DEAD_AFTER_S, silent_after=self.timeout_s)
+            except StoreUnresponsive as exc:
+                if self.hosts_store:        # its own server thread: this process is alive, keep watching
+                    continue
+                self.exit(self.line(self.store_silent(exc)) + f" [rank {self.rank} stops too: it was in "
+                                                              f"{self.activity}]")
+                return
             except Exception:
                 # the store's host ended (rank 0 under env://, or the launcher). If it failed, the
                 # process groups fail too, and the guarded work reports it; stop watching
@@ -316,8 +345,8 @@ def monitor(timeout_s: float | None = None) -> FaultMonitor | None:
                 log.warning("no fault monitor (the default store cannot be cloned: %s)", exc)
                 return None
             store.set_timeout(timedelta(seconds=30))
-            _MONITOR = FaultMonitor(dist.PrefixStore(PREFIX, store), dist.get_rank(), dist.get_world_size(),
-                                    timeout_s or 300.0)
+            _MONITOR = FaultMonitor(BoundedStore(dist.PrefixStore(PREFIX, store), name="fault-store"),
+                                    dist.get_rank(), dist.get_world_size(), timeout_s or 300.0)
         elif timeout_s is not None:
             _MONITOR.timeout_s = max(_MONITOR.timeout_s, timeout_s)
     return _MONITOR

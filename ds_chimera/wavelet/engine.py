@@ -38,6 +38,7 @@ from deepspeed.runtime.model_checkpointing.constants import CHECKPOINT_TAG_VALID
 
 from ..logs import get_logger
 from ..runtime import faults
+from ..runtime.bounded_store import BoundedStore
 from ..runtime.clipping import clip_by_norm
 from ..runtime.p2p import PeerTimeout, wait_or_fail
 from ..validation import check_fraction, check_seconds
@@ -90,10 +91,14 @@ class WaveletEngine(DeepSpeedEngine):
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.own_steps = 0
         self.partner_starts: list = []            # starts of the partner's steps, from its messages
-        self.store = dist.PrefixStore("ds_chimera/wavelet/", dist.distributed_c10d._get_default_store().clone())
+        # every store call bounded: under env:// rank 0 hosts the store, and a stopped rank 0 must not
+        # freeze its partner's channel
+        self.store = BoundedStore(dist.PrefixStore("ds_chimera/wavelet/",
+                                                   dist.distributed_c10d._get_default_store().clone()),
+                                  name="wavelet-store")
         if dist.get_rank() == 0:                  # step times travel as float32 seconds since this shared epoch
             self.store.set("epoch", repr(time.time()))
-        self.epoch = float(self.store.get("epoch"))
+        self.epoch = float(self.store.wait_get("epoch", wavelet["timeout"], "rank 0's clock epoch"))
         numel = sum(p.numel() for p in self.params)
         self.channel = PairChannel(self.store, self.layout.rank, self.layout.partner, numel + 3, wavelet["timeout"])
         self._same_start()
