@@ -57,10 +57,9 @@ def torchrun(args, timeout=900, extra_env=None):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-# Each engine leaves its process groups (gloo threads and sockets) behind, as in any process that
-# builds several; ~150 scenarios in one process made the kernel's scheduling cost as much as the
-# work, so the scenarios run in a few fresh process groups.
-BATCHES = 4
+# One torchrun for every scenario: the worker destroys each scenario's process groups after it (an
+# engine keeps its gloo threads and sockets for the process's life), so the process stays small.
+BATCHES = 1
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,24 @@ import traceback
 import torch.distributed as tdist
 
 
+def _groups() -> set:
+    from torch.distributed import distributed_c10d
+    return set(distributed_c10d._world.pg_map)
+
+
+def _destroy_groups_since(before: set) -> None:
+    """Destroy the process groups a scenario's engine created: an engine keeps its groups (gloo
+    threads and sockets) for the process's life, and a hundred engines in one process made the
+    kernel's scheduling cost as much as the work. The collection frees the engines (held in
+    reference cycles) now, not when the heap has grown: the run is faster with it."""
+    import gc
+    gc.collect()
+    tdist.barrier()
+    for group in _groups() - before:
+        if group is not tdist.GroupMember.WORLD:
+            tdist.destroy_process_group(group)
+
+
 def rank_path(out_path: str, rank: int) -> str:
     return f"{out_path}.rank{rank}"
 
@@ -24,11 +42,13 @@ def run_scenarios(scenarios: dict, out_path: str, names: list) -> None:
     timing = os.environ.get("DS_CHIMERA_SCENARIO_TIMES")      # a path: each scenario's seconds, for trimming
     for name in names:
         start = time.perf_counter()
+        before = _groups()
         try:
             results[name] = scenarios[name]()
         except Exception:
             print(traceback.format_exc(), file=sys.stderr, flush=True)
             raise
+        _destroy_groups_since(before)
         if timing and tdist.get_rank() == 0:
             with open(timing, "a") as fh:
                 threads, fds = len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
