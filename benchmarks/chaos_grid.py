@@ -1,7 +1,7 @@
 """The chaos grid: one rank fails on purpose; how fast do the others end, and is anything lost?
 
     python benchmarks/chaos_grid.py --cases 40         # a seeded draw of 40 cases
-    python benchmarks/chaos_grid.py --cases 0          # the whole grid (5 x 4 x 7 x 3 = 420 cases, hours)
+    python benchmarks/chaos_grid.py --cases 0          # the whole grid (408 cases, hours)
 
 Each case starts 4 ranks without a launcher (as ranks on other nodes run: nothing kills the
 survivors for them), makes one rank raise, die (SIGKILL) or stop (SIGSTOP) at one point

@@ -54,6 +54,8 @@ def test_a_stopped_host_is_an_error_within_the_deadline_and_recovers(hosted):
     store = BoundedStore(client, deadline_s=1.0)
     assert store.add("n", 1) == 1
     os.kill(proc.pid, signal.SIGSTOP)
+    while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        time.sleep(0.01)                             # the signal is delivered asynchronously
     try:
         start = time.monotonic()
         with pytest.raises(StoreUnresponsive, match="did not answer a add within 1s"):
