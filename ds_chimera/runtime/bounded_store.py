@@ -80,20 +80,8 @@ class BoundedStore:
         return self._call("set", key, value)
 
     def get(self, key):
-        """The value of a key that exists (a missing key would wait in the server past any deadline:
-        use :meth:`wait_get` for a key another rank has yet to set)."""
+        """The value of a key that exists (a missing key would wait in the server past any deadline)."""
         return self._call("get", key)
-
-    def wait_get(self, key, timeout_s: float, what: str):
-        """The value of ``key`` once another rank has set it, within ``timeout_s``."""
-        from .p2p import PeerTimeout
-        deadline = time.monotonic() + timeout_s
-        while not self.check([key]):
-            if time.monotonic() > deadline:
-                raise PeerTimeout(f"ds_chimera: {what} did not arrive in the rendezvous store after {timeout_s:g}s: "
-                                  f"the rank that sets it died or is stuck")
-            time.sleep(0.001)
-        return self.get(key)
 
     def add(self, key, amount: int) -> int:
         return self._call("add", key, amount)

@@ -21,9 +21,9 @@ after (``LINGER_S``) if its caller does not, so it never lingers. A communicatio
 guard first looks for the real origin (a published failure, a dead process, a silent
 heartbeat), so the neighbour whose message did not come is not blamed.
 
-The store itself can fail: under ``env://`` it is a thread of rank 0's process. Every store
-call is bounded (:class:`BoundedStore`); a store that stops answering means its host is
-stopped or frozen, and every other rank ends naming it.
+The store itself can fail: under ``env://`` it is a thread of rank 0's process. Every call of
+the monitor's is bounded (:class:`BoundedStore`); a store that stops answering means its host
+is stopped or frozen, and every other rank ends naming it, whatever its own threads wait on.
 """
 from __future__ import annotations
 

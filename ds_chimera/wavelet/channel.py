@@ -6,8 +6,8 @@ device); the partner messages (a wave's averaged gradient, the timing of its ste
 through this channel instead: one shared-memory buffer per direction, mapped by both
 tasks, and two counters in the rendezvous store (messages written, messages read) that
 order the writes and the reads. One message is in flight per direction: a writer waits
-until its previous message was read. Bounded waits: a partner that stops is a clear error,
-and so is a store that stops answering (``store`` is a :class:`BoundedStore`).
+until its previous message was read. Bounded waits: a partner that stops is a clear error (a
+store that stops answering is the fault monitor's to catch: see runtime/bounded_store.py).
 
 Tensors on an accelerator are staged through host memory. (CUDA IPC between the two
 processes would avoid that copy; it needs a GPU to build and verify, and is not done.)
@@ -38,7 +38,7 @@ class PairChannel:
         self.capacity, self.timeout_s = capacity, timeout_s
         if rank == 0:
             store.set("wavelet/job", uuid.uuid4().hex)
-        job = store.wait_get("wavelet/job", timeout_s, "rank 0's job id").decode()
+        job = store.get("wavelet/job").decode()
         self.out_path = os.path.join(_folder(), f"ds_chimera_wavelet_{job}_{rank}_to_{partner}")
         in_path = os.path.join(_folder(), f"ds_chimera_wavelet_{job}_{partner}_to_{rank}")
         self.outbox = torch.from_file(self.out_path, shared=True, size=capacity + 1, dtype=torch.float32)

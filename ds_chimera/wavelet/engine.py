@@ -38,7 +38,6 @@ from deepspeed.runtime.model_checkpointing.constants import CHECKPOINT_TAG_VALID
 
 from ..logs import get_logger
 from ..runtime import faults
-from ..runtime.bounded_store import BoundedStore
 from ..runtime.clipping import clip_by_norm
 from ..runtime.p2p import PeerTimeout, wait_or_fail
 from ..validation import check_fraction, check_seconds
@@ -91,14 +90,13 @@ class WaveletEngine(DeepSpeedEngine):
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.own_steps = 0
         self.partner_starts: list = []            # starts of the partner's steps, from its messages
-        # every store call bounded: under env:// rank 0 hosts the store, and a stopped rank 0 must not
-        # freeze its partner's channel
-        self.store = BoundedStore(dist.PrefixStore("ds_chimera/wavelet/",
-                                                   dist.distributed_c10d._get_default_store().clone()),
-                                  name="wavelet-store")
+        # the channel polls the store directly (a call through BoundedStore's helper thread costs two
+        # thread wake-ups, which a loaded host turns into milliseconds per poll); a store whose host
+        # froze (rank 0 stopped, under env://) is caught by the fault monitor, which ends the process
+        self.store = dist.PrefixStore("ds_chimera/wavelet/", dist.distributed_c10d._get_default_store().clone())
         if dist.get_rank() == 0:                  # step times travel as float32 seconds since this shared epoch
             self.store.set("epoch", repr(time.time()))
-        self.epoch = float(self.store.wait_get("epoch", wavelet["timeout"], "rank 0's clock epoch"))
+        self.epoch = float(self.store.get("epoch"))
         numel = sum(p.numel() for p in self.params)
         self.channel = PairChannel(self.store, self.layout.rank, self.layout.partner, numel + 3, wavelet["timeout"])
         self._same_start()
