@@ -17,8 +17,8 @@ from chaos import Case, check_case, grid, run_case
 # the run resumes exactly). The grid covers every engine, each case with its resume.
 SUITE = [(Case("chimera", 1, "forward", "raise"), False), (Case("wavelet", 2, "send", "kill"), False),
          (Case("zbv", 3, "save", "stop", timeout=5.0), tiers.FULL), (Case("wavelet", 0, "receive", "stop"), False)]
-FULL = os.environ.get("DS_CHIMERA_CHAOS")
-CASES = SUITE if not FULL else [(case, True) for case in grid(seed=0, size=None if FULL == "full" else int(FULL))]
+GRID = os.environ.get("DS_CHIMERA_CHAOS")
+CASES = SUITE if not GRID else [(case, True) for case in grid(seed=0, size=None if GRID == "full" else int(GRID))]
 
 
 @pytest.mark.parametrize("case,resume", CASES, ids=lambda c: str(c) if isinstance(c, Case) else "")

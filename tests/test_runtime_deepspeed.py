@@ -1,6 +1,6 @@
 """Every synchronous schedule on DeepSpeed, 4 gloo ranks: equal to single-process training.
 
-A few torchrun groups run every scenario (importing DeepSpeed costs seconds per process);
+One torchrun group runs every scenario (importing DeepSpeed costs seconds per process);
 each test then asserts on its scenario's numbers.
 """
 import json
@@ -57,24 +57,18 @@ def torchrun(args, timeout=900, extra_env=None):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-# One torchrun for every scenario: the worker destroys each scenario's process groups after it (an
-# engine keeps its gloo threads and sockets for the process's life), so the process stays small.
-BATCHES = 1
-
-
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory):
-    """Every rank's {scenario: result}: each rank writes its own file, and each is checked."""
-    names, merged = EQUIV + OTHER, [{} for _ in range(4)]
-    for batch in range(BATCHES):
-        out = tmp_path_factory.mktemp("dist") / f"results{batch}.json"
-        proc = torchrun([WORKER, str(out), ",".join(names[batch::BATCHES])])
-        files = [Path(f"{out}.rank{rank}") for rank in range(4)]
-        if proc.returncode != 0 or not all(f.exists() for f in files):
-            pytest.fail(f"worker failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-        for rank, f in enumerate(files):
-            merged[rank].update(json.loads(f.read_text()))
-    return merged
+    """Every rank's {scenario: result}: each rank writes its own file, and each is checked.
+
+    One torchrun for every scenario: the worker destroys each scenario's process groups after it
+    (an engine keeps its gloo threads and sockets for the process's life), so the process stays small."""
+    out = tmp_path_factory.mktemp("dist") / "results.json"
+    proc = torchrun([WORKER, str(out), ",".join(EQUIV + OTHER)])
+    files = [Path(f"{out}.rank{rank}") for rank in range(4)]
+    if proc.returncode != 0 or not all(f.exists() for f in files):
+        pytest.fail(f"worker failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return [json.loads(f.read_text()) for f in files]
 
 
 @pytest.fixture(scope="module")

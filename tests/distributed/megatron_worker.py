@@ -17,6 +17,9 @@ import torch.distributed as dist  # noqa: E402
 import ds_chimera.megatron as dsm  # noqa: E402
 from ds_chimera.megatron.stages import megatron_stage, pipeline_group  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tiers import FULL  # noqa: E402
+
 VOCAB, SEQ, MBS, LAYERS, HIDDEN = 32, 8, 2, 8, 16
 N = 8
 CASES = [  # (schedule, options, pipeline size, loss form)
@@ -30,7 +33,7 @@ CASES = [  # (schedule, options, pipeline size, loss form)
 # tests/test_runtime_deepspeed.py) and Chimera's zero-bubble order with one pipeline pair
 FULL_CASES = [("gpipe", {}, 4, 2), ("breadth-first", {"chunks": 2}, 4, 3), ("dualpipev", {}, 4, 2),
               ("chimera", {"order": "zero-bubble"}, 4, 2)]
-if os.environ.get("DS_CHIMERA_FULL") == "1":
+if FULL:
     CASES += FULL_CASES
 
 

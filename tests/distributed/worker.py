@@ -782,10 +782,10 @@ def main():
     deepspeed.init_distributed(dist_backend=os.environ.get("DS_CHIMERA_TEST_BACKEND", "gloo"))
     run_scenarios(SCENARIOS, sys.argv[1], sys.argv[2].split(","))
     tdist.barrier()
-    # Forty engines in one process leave their gloo groups to the interpreter's teardown, which
-    # once in a few runs aborts ("terminate called without an active exception") after every
-    # result is written. One engine per process (every user script and example here) ends
-    # cleanly; these many-engine processes end without the teardown.
+    # A process that built a hundred engines aborted in the interpreter's teardown once in a few
+    # runs ("terminate called without an active exception"), after every result was written.
+    # One engine per process (every user script and example here) ends cleanly; this one ends
+    # without the teardown.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
