@@ -53,7 +53,8 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO stage: 2 and 3 add the chunks' weight gathers (and 3 their releases) to the program")
     p.add_argument("--data-parallel", type=int, default=1,
-                   help="data-parallel size: the sharded weights per rank are 1/DP (memory report)")
+                   help="data-parallel size: gradient syncs span DP copies of the pipeline (priced "
+                        "even for one stage replica); sharded weights per rank are 1/DP")
     p.add_argument("--keep-gathered", action="store_true",
                    help="ZeRO-3: keep a chunk's weights gathered from its first to its last compute")
     p.add_argument("--max-activations", type=float, help="with --schedule auto: peak activation limit")
@@ -77,7 +78,7 @@ def _simulate_one(name: str, args, costs: Costs):
         program = shard(program, args.zero, reshard_after_forward=not args.keep_gathered)
     if args.dump_program:
         program.dump(args.dump_program)
-    result = simulate(program, costs, chunks_per_rank=schedule.chunks_per_rank)
+    result = simulate(program, costs, chunks_per_rank=schedule.chunks_per_rank, data_parallel=args.data_parallel)
     return schedule, result
 
 

@@ -347,6 +347,31 @@ def test_gathers_and_the_step_cost_time_in_the_simulation():
     assert simulate(shard(program, 3), Costs(gather=0.75)).makespan == pytest.approx(plain + 0.75)
 
 
+def test_one_chunks_full_gradients_at_a_time_and_the_reduce_scatters_are_priced():
+    """Breadth-first under sharding: a chunk's first backward waits for the reduce-scatter before it, so
+    one chunk's full gradients exist at once; the simulator prices those reduce-scatters when the syncs
+    span data-parallel copies of the pipeline, even where the program's own groups are one rank."""
+    from ds_chimera.schedules.actions import BACKWARD, GradSync, SyncWait
+    from ds_chimera.schedules.sharding import shard
+    program = shard(build("breadth-first", 2, 4, chunks=3).lower(), 3)
+    for rank, ops in enumerate(program.ops):
+        waits = [i for i, op in enumerate(ops) if type(op) is SyncWait]
+        assert len(waits) == 3, rank                     # before chunks 2 and 1's backwards, and the last
+        for i in waits[:-1]:
+            nxt = ops[i + 1]
+            assert type(nxt) is Action and nxt.kind == BACKWARD and nxt.mb == 0
+            synced = [op.stage for op in ops[:i] if type(op) is GradSync]
+            assert ops[i].stages == (synced[-1],) and program.placement.chunks[nxt.chunk].stage != synced[-1]
+    plain = simulate(program).makespan
+    assert simulate(program, Costs(allreduce=0.4)).makespan == pytest.approx(plain)     # one rank: no collective
+    # at DP 2 every reduce-scatter costs 0.4; each one is waited for on the critical path (the next
+    # chunk's backward, or the step): three of them
+    priced = simulate(program, Costs(allreduce=0.4), data_parallel=2)
+    assert priced.valid and priced.makespan == pytest.approx(plain + 3 * 0.4)
+    with pytest.raises(ValueError, match="data_parallel must be an integer >= 1, got 0"):
+        simulate(program, data_parallel=0)
+
+
 def test_cli_simulates_sharded_programs():
     out = subprocess.run([sys.executable, "-m", "ds_chimera.cli", "simulate", "--schedule", "breadth-first",
                           "--chunks", "4", "--stages", "2", "--micro-batches", "8", "--zero", "3", "--data-parallel",

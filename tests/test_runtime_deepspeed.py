@@ -181,6 +181,12 @@ def test_sharded_data_parallelism_equals_single_process_training(rank_results, s
         # 1/DP of the weights stays on the rank between gathers
         dp = 2 if "2x2" in scenario else 1
         assert r["shard_bytes"] * dp == r["full_bytes"]
+        if "breadth-first" in scenario:
+            # one chunk's full gradients at a time (each reduce-scatter ends before the next chunk's
+            # backward); ZeRO-3 gathers at most two chunks at once, from initialize on
+            assert 0 < r["peak"]["grads"] <= r["chunk_bytes"], (rank, r["peak"])
+            if scenario.startswith("zero3") and not scenario.endswith("keep"):
+                assert r["peak"]["gathered_weights"] <= 2 * r["chunk_bytes"], (rank, r["peak"])
 
 
 def test_breadth_first_gathers_less_than_depth_first_under_zero3(results):

@@ -248,7 +248,7 @@ class MegatronHost:
     def gather_weights(self, chunk: int) -> None:
         raise ValueError("sharded data parallelism (ZeRO-2/3) runs on the DeepSpeed engine only")
 
-    wait_weights = release_weights = gather_weights
+    wait_weights = release_weights = prepare_grads = gather_weights
 
 
 def _pipeline_groups(placement, pp_ranks: list, nccl: bool, timeout_s: float) -> PipelineGroups:

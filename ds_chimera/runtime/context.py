@@ -75,3 +75,6 @@ class ExecutionContext(Protocol):
 
     def release_weights(self, chunk: int) -> None:
         """Sharded programs (ZeRO-3): free ``chunk``'s gathered weights."""
+
+    def prepare_grads(self, chunk: int) -> None:
+        """Sharded programs: ``chunk`` is about to compute weight gradients; give them their buffer."""

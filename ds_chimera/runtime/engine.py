@@ -52,6 +52,8 @@ class ScheduledPipelineEngine(PipelineEngine):
             # and that is what is all-reduced and clipped; its own (partial-norm) clipping is off.
             self.optimizer.clip_grad = 0.0
         self.host = self.host_class(self)
+        if self.host.shards is not None:
+            self.host.shards.engine_ready()
         self.executor = StepExecutor(self.host)
         self.faults = faults.monitor(plan.timeout_s)     # one rank's failure ends every rank, naming it
         self.step_records = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..schedules.actions import (ACT, BACKWARD, BACKWARD_KINDS, FORWARD, GRAD, STEP, WEIGHT_GRAD, Action,
+from ..schedules.actions import (ACT, BACKWARD, BACKWARD_KINDS, FORWARD, GRAD, GRAD_KINDS, STEP, WEIGHT_GRAD, Action,
                                  ClipGrads, CommBatch, Gather, GradSync, OptimizerStep, Release, SyncWait)
 from .context import ExecutionContext
 from .tensors import as_leaves, as_tuple, pack, versions
@@ -133,6 +133,8 @@ class StepRun:
         current_action = op
         if self.sharded:
             self.ctx.wait_weights(op[1])
+            if op[0] in GRAD_KINDS:
+                self.ctx.prepare_grads(op[1])
         trace = self.trace
         start = trace.clock.mark() if trace is not None else None
         kind = op[0]

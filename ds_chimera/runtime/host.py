@@ -108,8 +108,8 @@ class PipelineHost:
 
     def wait_grad_syncs(self, stages: tuple) -> None:
         """Post the tied weights' syncs (once per step), then wait for every sync posted so far."""
-        if self.shards is not None:
-            self.shards.finish_grads()
+        if self.shards is not None:          # the reduce-scatters of these stages' chunks
+            self.shards.finish_grads([self.stage_chunk[stage] for stage in stages])
             return
         if not self._tied_posted:
             self._tied_posted = True
@@ -196,6 +196,9 @@ class PipelineHost:
 
     def wait_weights(self, chunk: int) -> None:
         self.shards.wait(chunk)
+
+    def prepare_grads(self, chunk: int) -> None:
+        self.shards.prepare_grads(chunk)
 
     def release_weights(self, chunk: int) -> None:
         self.shards.release(chunk)

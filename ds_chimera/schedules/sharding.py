@@ -12,7 +12,12 @@ any synchronous program. This pass adds the GATHER and RELEASE ops to a lowered 
 - each GATHER is posted one compute action ahead of the use it serves, so the all-gather
   overlaps the previous chunk's compute: at most two chunks are gathered at once;
 - ZeRO-2 keeps the full weights between steps (they only change at the step): one GATHER
-  per chunk per step, before its first compute, and no RELEASE.
+  per chunk per step, before its first compute, and no RELEASE;
+- a chunk's full gradients live from its first weight-gradient action to the end of its
+  reduce-scatter (the stage's GRAD_SYNC): a SYNC_WAIT on the reduce-scatters still under
+  way goes before a chunk's first weight-gradient action, so one chunk's full gradients
+  exist at a time where the order allows (breadth-first; a depth-first rank accumulates
+  every chunk's at once, whatever the waits).
 
 So the order decides the traffic: a breadth-first rank runs all micro-batches through a
 chunk before the next, 2V-1 gathers a step for V chunks; a depth-first (interleaved)
@@ -21,7 +26,7 @@ counts them, and the simulator prices them.
 """
 from __future__ import annotations
 
-from .actions import STEP, Action, CommBatch, Gather, Release
+from .actions import GRAD_KINDS, STEP, Action, CommBatch, Gather, GradSync, Release, SyncWait
 from .lowering import Program
 
 ZERO_STAGES = (2, 3)
@@ -71,6 +76,8 @@ def shard(program: Program, zero: int, reshard_after_forward: bool = True) -> Pr
             before.setdefault(anchor, []).append(Gather(chunk))
             if release:
                 after.setdefault(compute[last], []).append(Release(chunk))
+        for index, stages in _grad_waits(rank_ops):
+            before.setdefault(index, []).append(SyncWait(stages))
         out = []
         for i, op in enumerate(rank_ops):
             out.extend(before.get(i, ()))
@@ -81,6 +88,23 @@ def shard(program: Program, zero: int, reshard_after_forward: bool = True) -> Pr
     sharded = Program(f"{program.name}+zero{zero}", program.placement, ops, program.synchronous, program.weights)
     sharded.zero = zero
     return sharded
+
+
+def _grad_waits(rank_ops: list) -> list:
+    """(op index, stages) of the SYNC_WAITs that end the reduce-scatters still under way before each
+    chunk's first weight-gradient action."""
+    waits, pending, started = [], set(), set()
+    for i, op in enumerate(rank_ops):
+        if type(op) is GradSync:
+            pending.add(op.stage)
+        elif type(op) is SyncWait:
+            pending -= set(op.stages)
+        elif type(op) is Action and op.kind in GRAD_KINDS and op.chunk not in started:
+            started.add(op.chunk)
+            if pending:
+                waits.append((i, tuple(sorted(pending))))
+                pending = set()
+    return waits
 
 
 def gathers_per_rank(program: Program) -> list:

@@ -7,10 +7,10 @@ user plans with: makespan, bubble ratio, busy time, in-flight activations and we
 
 Execution model: a rank runs its ops in order, one compute at a time. Sends are
 non-blocking; a message arrives ``comm`` after it is posted. Receives block. A gradient
-sync is posted without blocking and completes ``allreduce`` after its last member posts;
-a SYNC_WAIT waits for it. A global CLIP is a collective of every rank (their norms are
-summed). Ranks are advanced by an event-driven worklist, so the cost is linear in the
-number of ops.
+sync is posted without blocking and completes ``allreduce`` after its last member posts
+(its data-parallel copies, outside the program, post alike); a SYNC_WAIT waits for it. A
+global CLIP is a collective of every rank (their norms are summed). Ranks are advanced
+by an event-driven worklist, so the cost is linear in the number of ops.
 """
 from __future__ import annotations
 
@@ -67,13 +67,20 @@ class SimResult:
 
 
 def simulate(program: Program, costs: Costs = Costs(), chunks_per_rank: int = 1,
-             max_errors: int = 100) -> SimResult:
-    """Execute ``program`` under ``costs``; never raises on a bad program, it reports it."""
+             max_errors: int = 100, data_parallel: int = 1) -> SimResult:
+    """Execute ``program`` under ``costs``; never raises on a bad program, it reports it.
+
+    ``data_parallel``: copies of the whole pipeline the gradient syncs also span (outside the
+    program, which is one pipeline's): with more than one, a sync over a single stage replica
+    still costs ``allreduce`` (the reduce-scatter under sharding)."""
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ValueError(f"simulate: data_parallel must be an integer >= 1, got {data_parallel!r}")
     with gc_paused():
-        return _simulate(program, costs, chunks_per_rank, max_errors)
+        return _simulate(program, costs, chunks_per_rank, max_errors, data_parallel)
 
 
-def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: int) -> SimResult:
+def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: int,
+              data_parallel: int) -> SimResult:
     placement = program.placement
     num_ranks = placement.num_ranks
     size = placement.size
@@ -140,7 +147,7 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
         posts = sync_posts[key]
         if len(posts) < len(sync_groups[key]):
             return None
-        return max(posts.values()) + (costs.allreduce if len(posts) > 1 else 0.0)
+        return max(posts.values()) + (costs.allreduce if len(posts) * data_parallel > 1 else 0.0)
 
     while work:
         r = work.popleft()

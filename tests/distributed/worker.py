@@ -204,7 +204,8 @@ def zero_compare(schedule, stages, dp, n, zero, steps=3, clip=0.5, **options):
             "eval_diff": abs(eval_loss - ref_eval), "program_gathers": sum(
                 1 for op in engine.plan.program.ops[engine.pipe_rank] if type(op).__name__ == "Gather"),
             "peak": shards.peak, "shard_bytes": shards.memory()["shards"],
-            "full_bytes": sum(s.nbytes for s in shards.by_chunk.values())}
+            "full_bytes": sum(s.nbytes for s in shards.by_chunk.values()),
+            "chunk_bytes": max(s.nbytes for s in shards.by_chunk.values())}
 
 
 def zero_checkpoint(schedule, zero, n=4, **options):
