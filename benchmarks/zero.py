@@ -9,8 +9,10 @@ chunk) carries a ballast parameter of ``--ballast-mib`` MiB. Every rank's share 
 F = I = W = 20 ms per micro-batch, plus what the ballast's gradient costs. For each row it
 prints the median step / ideal, the chunk all-gathers per step, and the simulator's
 prediction of the same program with costs measured in the run (the median forward and
-backward of a chunk from a traced step, the optimizer step, and apart from the steps the
-all-gather of one chunk and the gradient reduce-scatter or all-reduce); then the ZeRO-3 /
+backward of a chunk from a traced step, the host's time in the optimizer step and in each
+gradient-sync post; and apart from the steps the all-gather of one chunk, the gradient
+reduce-scatter or all-reduce, the P2P latency to a waiting rank and the host's time per
+message); then the ZeRO-3 /
 ZeRO-1 step ratio of breadth-first, and the memory each rank holds for ZeRO-0/1/2/3
 (weights, gradients, optimizer state at their peaks, and the activations autograd saved). torch.distributed.pipelining's LoopedBFS with FSDP2 runs beside
 them where it runs on gloo; the row says why where it does not.
@@ -62,7 +64,7 @@ def worker(args):
     from ds_chimera.schedules.sharding import gathers_per_rank
     from ds_chimera.sim.simulator import simulate
     from gloo_transport import share_one_device
-    from schedules import median_steps_in_turn, release_groups, process_groups
+    from schedules import median_steps_in_turn, p2p_host_costs, p2p_waiting_latency, process_groups, release_groups
     from timed_model import WIDTH, EntryLayer
 
     share_one_device()
@@ -100,10 +102,19 @@ def worker(args):
             dp_group = group
     gather_s = collective_time(dist, torch, dp_group, chunk_bytes // 4, "gather")
     scatter_s = collective_time(dist, torch, dp_group, chunk_bytes // 4, "reduce_scatter")
+    # the reduce-scatter as the step meets it: after a chunk's backward of N micro-batches, each member's own
+    backward_s = 2 * COST_S / CHUNKS
+    scatter_after = {n: collective_after_compute(dist, torch, dp_group, chunk_bytes // 4, "reduce_scatter", n,
+                                                 backward_s) for n in args.micro_batches}
     allreduce_s = collective_time(dist, torch, dp_group, chunk_bytes // 4, "all_reduce")
+    waiting_s = p2p_waiting_latency(dist, torch, rank, idle_s=COST_S)     # to a rank that waited for its input
+    send_s, recv_s, _ = p2p_host_costs(dist, torch, rank)
     if rank == 0:
         print(f"  costs: one chunk ({chunk_bytes / 2 ** 20:.1f} MiB) all-gather {gather_s * 1e3:.1f} ms, "
-              f"reduce-scatter {scatter_s * 1e3:.1f} ms, all-reduce {allreduce_s * 1e3:.1f} ms", flush=True)
+              f"reduce-scatter {scatter_s * 1e3:.1f} ms, all-reduce {allreduce_s * 1e3:.1f} ms; p2p latency to "
+              f"a waiting rank {waiting_s * 1e3:.2f} ms, host time per send {send_s * 1e3:.3f} ms, per receive "
+              f"{recv_s * 1e3:.3f} ms; reduce-scatter after a chunk's backward (partner's lag included) "
+              + ", ".join(f"{s * 1e3:.1f} ms at N = {n}" for n, s in scatter_after.items()), flush=True)
 
     for n in args.micro_batches:
         keep = process_groups()
@@ -111,47 +122,68 @@ def worker(args):
         for schedule, zero in ROWS:
             engine = engine_for(schedule, zero, n)
             batches = data(n)
-            engines.append((schedule, zero, engine, timed_optimizer_step(engine)))
+            engines.append((schedule, zero, engine, {name: timed(owner, name) for owner, name in (
+                (engine.optimizer, "step"), (engine.host, "start_grad_sync"), (engine.host, "clip_gradients"),
+                (engine.executor, "run"))}))
             steps.append(lambda e=engine, b=batches: e.train_batch(iter(b)))
         times = median_steps_in_turn(dist, steps, args.repeats)
-        for (schedule, zero, engine, step_times), step_s in zip(engines, times):
+        for (schedule, zero, engine, spent), step_s in zip(engines, times):
             ideal = n * 3 * COST_S
             program = engine.plan.program
+            # the first step (the warm-up round: allocations, the optimizer state's creation) left out
+            median = {name: statistics.median(values[len(values) // (args.repeats + 1):])
+                      for name, values in spent.items()}
+            # the global norm's own time: the last rank to arrive waits for nobody
+            clip_s = reduced(dist, torch, median["clip_gradients"], dist.ReduceOp.MIN)
+            program_s = reduced(dist, torch, median["run"], dist.ReduceOp.MAX)
             fwd, bwd = traced_costs(engine, data(n), trace_dir)      # one chunk's, in stage units
             costs = Costs(fwd=fwd, bwd=bwd, wgrad=bwd / 2, gather=gather_s * CHUNKS,
-                          allreduce=(scatter_s if zero >= 2 else allreduce_s),
-                          step=statistics.median(step_times) / engine.placement.size / CHUNKS)
-            sim = simulate(program, costs)
+                          allreduce=(scatter_after[n] if zero >= 2 else allreduce_s), comm=waiting_s, send=send_s,
+                          recv=recv_s, sync_post=median["start_grad_sync"], clip=clip_s,
+                          step=median["step"] / engine.placement.size / CHUNKS)
+            sim = simulate(program, costs, data_parallel=dp)
             row = {"schedule": schedule, "zero": zero, "N": n, "step_s": step_s, "vs_ideal": step_s / ideal,
                    "gathers": gathers_per_rank(program)[engine.pipe_rank] if zero >= 2 else 0,
-                   "sim_s": sim.makespan, "measured_vs_sim": step_s / sim.makespan}
+                   "sim_s": sim.makespan, "measured_vs_sim": step_s / sim.makespan, "program_s": program_s,
+                   "program_vs_sim": program_s / sim.makespan, "around_program_s": step_s - program_s,
+                   "costs": costs.__dict__}
             rows.append(row)
             if rank == 0:
                 print(f"  zero N={n} {schedule} ZeRO-{zero}: {row['vs_ideal']:.3f} x ideal, {row['gathers']} gathers/step, "
-                      f"measured/simulated {row['measured_vs_sim']:.3f}", flush=True)
+                      f"measured/simulated: step {row['measured_vs_sim']:.3f}, program {row['program_vs_sim']:.3f} "
+                      f"(the engine around the program {row['around_program_s'] * 1e3:.1f} ms)", flush=True)
         rows.append(fsdp_looped_bfs(torch, dist, rank, n, specs, stages, dp, data, args.repeats))
         del engines, steps
         release_groups(dist, keep)
     if args.memory:
-        rows.extend(memory_rows(torch, dist, rank, engine_for, data))
+        rows.extend(memory_rows(torch, dist, rank, engine_for, data, dp_group))
     save_rows(dist, rows, args.out)
 
 
-def timed_optimizer_step(engine) -> list:
-    """Wrap the engine's optimizer step to record its duration (seconds) each step."""
-    times, step = [], engine.optimizer.step
+def timed(owner, name: str) -> list:
+    """Wrap ``owner.name`` (the optimizer's step, the host's gradient-sync post) to record how long each
+    call takes on the host (seconds): the simulator's per-call costs of the same run."""
+    times, call = [], getattr(owner, name)
 
-    def timed(*args, **kwargs):
+    def timed_call(*args, **kwargs):
         start = time.perf_counter()
-        out = step(*args, **kwargs)
+        out = call(*args, **kwargs)
         times.append(time.perf_counter() - start)
         return out
-    engine.optimizer.step = timed
+    setattr(owner, name, timed_call)
     return times
 
 
+def reduced(dist, torch, value: float, op) -> float:
+    """``value`` reduced over every rank with ``op`` (MIN, MAX)."""
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=op)
+    return float(tensor)
+
+
 def traced_costs(engine, batches, trace_dir) -> tuple:
-    """(forward, backward) of one chunk per micro-batch, in stage units: medians of a traced step's actions."""
+    """(forward, backward) of one chunk per micro-batch, in stage units: means of a traced step's actions
+    (a makespan adds durations up, so the mean is what predicts it, the sleeps' overshoot included)."""
     engine.plan.trace_dir = trace_dir
     os.makedirs(trace_dir, exist_ok=True)
     try:
@@ -159,8 +191,8 @@ def traced_costs(engine, batches, trace_dir) -> tuple:
     finally:
         engine.plan.trace_dir = None
     records = engine.executor.records
-    fwd = statistics.median(end - start for _, kind, _, _, start, end in records if kind == "F")
-    bwd = statistics.median(end - start for _, kind, _, _, start, end in records if kind == "B")
+    fwd = statistics.mean(end - start for _, kind, _, _, start, end in records if kind == "F")
+    bwd = statistics.mean(end - start for _, kind, _, _, start, end in records if kind == "B")
     return fwd / engine.placement.size, bwd / engine.placement.size
 
 
@@ -181,6 +213,30 @@ def collective_time(dist, torch, group, numel, kind, rounds=10) -> float:
             dist.all_reduce(full, group=group)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
+
+
+def collective_after_compute(dist, torch, group, numel, kind, slices, slice_s, rounds=20) -> float:
+    """Mean time from a member's own post of a collective to its end, when each member first computed
+    on its own (``slices`` timed sleeps of ``slice_s``, as the timed layers do), like a rank that posts
+    a chunk's reduce-scatter after its backward: the data-parallel partner's lag is part of it. The
+    collective alone (:func:`collective_time`) misses that lag; the step pays it at every sync."""
+    size = dist.get_world_size(group)
+    full = torch.zeros(numel - numel % size)
+    shard = torch.zeros(full.numel() // size)
+    waits = []
+    for _ in range(rounds + 1):
+        dist.barrier(group=group)
+        for _ in range(slices):
+            time.sleep(slice_s)
+        start = time.perf_counter()
+        if kind == "gather":
+            dist.all_gather_into_tensor(full, shard, group=group)
+        else:
+            dist.reduce_scatter_tensor(shard, full, group=group)
+        waits.append(time.perf_counter() - start)
+    mean = torch.tensor([statistics.mean(waits[1:])], dtype=torch.float64)
+    dist.all_reduce(mean, group=group)
+    return float(mean) / size
 
 
 def fsdp_looped_bfs(torch, dist, rank, n, specs, stages, dp, data, repeats) -> dict:
@@ -223,10 +279,10 @@ def fsdp_looped_bfs(torch, dist, rank, n, specs, stages, dp, data, repeats) -> d
     return row
 
 
-def memory_rows(torch, dist, rank, engine_for, data) -> list:
+def memory_rows(torch, dist, rank, engine_for, data, dp_group) -> list:
     """Bytes each rank holds under ZeRO-0/1/2/3 (breadth-first, DP = 2, Adam): weights, gradients and
     optimizer state at their peaks over a step, and the activations autograd saved."""
-    rows = []
+    rows, zero1_together = [], None
     for zero in (0, 1, 2, 3):
         engine = engine_for("breadth-first", zero, 4)
         saved = {"now": 0, "peak": 0}
@@ -253,19 +309,38 @@ def memory_rows(torch, dist, rank, engine_for, data) -> list:
         if shards is not None:
             weights = shards.peak["gathered_weights"] + shards.peak["shards"]
             grads = shards.peak["grads"] + sum(s.shard.numel() * 4 for s in shards.by_chunk.values())
+            together = shards.peak["total"]        # weights and gradients held at the same moment
+            chunk = max(s.nbytes for s in shards.by_chunk.values())
+            # each chunk's flat buffer is padded to a multiple of DP elements: the shards' share of that
+            padding = sum(s.nbytes - sum(p.numel() * 4 for p in s.params) for s in shards.by_chunk.values())
         else:
             params = [p for p in engine.module.parameters()]
             weights = sum(p.numel() * p.element_size() for p in params)
             grads = weights       # a full gradient per weight until the step
+            together, chunk, padding = weights + grads, 0, 0
         row = {"memory": True, "zero": zero, "rank": rank, "weights": weights, "grads": grads, "optimizer": state,
-               "activations": saved["peak"]}
+               "activations": saved["peak"], "weights_and_grads": together, "chunk": chunk,
+               "padding": padding}
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, row)
         if rank == 0:
-            worst = {k: max(g[k] for g in gathered) for k in ("weights", "grads", "optimizer", "activations")}
+            worst = {k: max(g[k] for g in gathered)
+                     for k in ("weights", "grads", "optimizer", "activations", "weights_and_grads", "chunk",
+                               "padding")}
             print(f"  memory ZeRO-{zero}: weights {worst['weights'] / 2 ** 20:.1f} MiB, grads "
                   f"{worst['grads'] / 2 ** 20:.1f} MiB, optimizer {worst['optimizer'] / 2 ** 20:.1f} MiB, "
-                  f"activations {worst['activations'] / 2 ** 10:.1f} KiB (largest rank)", flush=True)
+                  f"activations {worst['activations'] / 2 ** 10:.1f} KiB; weights + grads at once "
+                  f"{worst['weights_and_grads'] / 2 ** 20:.1f} MiB (largest rank)", flush=True)
+            if zero == 1:
+                zero1_together = worst["weights_and_grads"]
+            if zero == 3:
+                dp = dist.get_world_size(dp_group)
+                # weights and gradients: each rank's shard of both is 1/DP of the padded buffers
+                bound = (zero1_together + 2 * worst["padding"]) / dp + 2 * worst["chunk"]
+                print(f"  memory ZeRO-3 bound: 1/DP of ZeRO-1's weights + grads (each chunk padded to a multiple "
+                      f"of DP elements: {2 * worst['padding'] // dp} bytes) plus two chunks' gathered weights = "
+                      f"{bound} bytes ({bound / 2 ** 20:.1f} MiB); held {worst['weights_and_grads']} bytes: "
+                      f"{'met' if worst['weights_and_grads'] <= bound else 'NOT met'}", flush=True)
         rows.append(row)
     return rows
 
@@ -298,9 +373,10 @@ def summarise(rows):
         one, three = by.get(("breadth-first", 1)), by.get(("breadth-first", 3))
         if one and three:
             print(f"N={n}: breadth-first ZeRO-3 / ZeRO-1 step = {three['step_s'] / one['step_s']:.3f}")
-    sims = [r["measured_vs_sim"] for r in timed if "measured_vs_sim" in r]
-    if sims:
-        print(f"measured/simulated: {min(sims):.3f} to {max(sims):.3f}")
+    for key, what in (("measured_vs_sim", "step"), ("program_vs_sim", "program")):
+        sims = [r[key] for r in timed if key in r]
+        if sims:
+            print(f"measured/simulated {what}: {min(sims):.3f} to {max(sims):.3f}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import os
 import sys
 
 from .schedules import registry
-from .schedules.costs import Costs
+from .schedules.costs import COST_NAMES, Costs
 from .sim.simulator import simulate
 
 
@@ -50,6 +50,8 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost-gather", type=float, default=0.0,
                    help="ZeRO-2/3: time to all-gather one stage's worth of sharded weights")
     p.add_argument("--cost-step", type=float, default=0.0, help="optimizer step of one stage's worth of weights")
+    p.add_argument("--cost-clip", type=float, default=0.0,
+                   help="the global gradient norm's collective, from the last rank's arrival")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO stage: 2 and 3 add the chunks' weight gathers (and 3 their releases) to the program")
     p.add_argument("--data-parallel", type=int, default=1,
@@ -131,8 +133,7 @@ def cmd_simulate(args) -> int:
     _check_target(args)
     if args.data_parallel < 1:
         raise ValueError(f"--data-parallel must be >= 1, got {args.data_parallel}")
-    costs = Costs(args.cost_fwd, args.cost_bwd, args.cost_wgrad, args.cost_comm, args.cost_allreduce,
-                  args.cost_send, args.cost_recv, args.cost_sync_post, args.cost_gather, args.cost_step)
+    costs = Costs(**{name: getattr(args, f"cost_{name}") for name in COST_NAMES})
     if args.schedule == "auto":
         return _rank_all(args, costs)
     schedule, result = _simulate_one(args.schedule, args, costs)

@@ -338,11 +338,13 @@ def test_the_simulator_checks_the_weights_are_there():
         shard(build("pipeoptim", 2, 4).lower(), 3)
 
 
-def test_gathers_and_the_step_cost_time_in_the_simulation():
+def test_gathers_the_step_and_the_clip_cost_time_in_the_simulation():
     from ds_chimera.schedules.sharding import shard
     program = build("1f1b", 2, 4).lower()
     plain = simulate(program).makespan
     assert simulate(program, Costs(step=0.5)).makespan == pytest.approx(plain + 0.5)
+    # the global norm's collective: once per step, after every rank has arrived
+    assert simulate(program, Costs(clip=0.25)).makespan == pytest.approx(plain + 0.25)
     # the first gather of the step cannot hide behind anything
     assert simulate(shard(program, 3), Costs(gather=0.75)).makespan == pytest.approx(plain + 0.75)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
 
-COST_NAMES = ("fwd", "bwd", "wgrad", "comm", "allreduce", "send", "recv", "sync_post", "gather", "step")
+COST_NAMES = ("fwd", "bwd", "wgrad", "comm", "allreduce", "send", "recv", "sync_post", "gather", "step", "clip")
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,9 @@ class Costs:
     post the all-reduce): the rank computes nothing meanwhile. ``gather`` is the time to
     all-gather one stage's worth of sharded weights (ZeRO-2/3; a chunk pays it times its
     size); under sharding ``allreduce`` prices the gradients' reduce-scatter. ``step`` is the
-    optimizer step of one stage's worth of weights (a chunk pays it times its size).
+    optimizer step of one stage's worth of weights (a chunk pays it times its size). ``clip``
+    is the global gradient norm's collective (every rank's squared norm summed), counted from
+    the moment the last rank arrives.
     """
 
     fwd: float = 1.0
@@ -40,6 +42,7 @@ class Costs:
     sync_post: float = 0.0
     gather: float = 0.0
     step: float = 0.0
+    clip: float = 0.0
 
     def __post_init__(self):
         for name in COST_NAMES:

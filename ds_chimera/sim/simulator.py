@@ -315,7 +315,7 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                     arrived = clip_arrivals[clip_round[r]]
                     if len(arrived) < num_ranks:
                         break
-                    t = max(t, max(arrived.values()))
+                    t = max(t, max(arrived.values()) + costs.clip)
                 elif op.stage not in stage_chunks_on[r]:
                     error(f"rank {r}: clips stage {op.stage}, which it does not hold")
             elif type(op) is Gather:
