@@ -2,6 +2,7 @@
 
     python benchmarks/zero.py             # N in {4, 8}
     python benchmarks/zero.py --quick     # N = 4, fewer repeats
+    python benchmarks/zero.py --runs 3    # three launches; each row's median and range over them
 
 Four CPU ranks: 2 pipeline stages x 2 data-parallel, 4 chunks per rank. The timed model
 (``timed_model``) with weights that cost something to move: each timed layer (one per
@@ -19,6 +20,7 @@ them where it runs on gloo; the row says why where it does not.
 The last line is a JSON object with every row.
 """
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -353,8 +355,13 @@ def main():
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--ballast-mib", type=float, default=2.0, help="extra weights per timed layer")
     parser.add_argument("--no-memory", dest="memory", action="store_false")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="launch the whole measurement this many times (this host's load drifts between "
+                             "runs) and summarise each row over them")
     parser.add_argument("--out", default="benchmarks/zero_results.json")
     args = parser.parse_args()
+    if args.runs < 1:
+        parser.error(f"--runs must be at least 1, got {args.runs}")
     args.micro_batches = args.micro_batches or ([4] if args.quick else [4, 8])
     args.repeats = args.repeats or (3 if args.quick else 5)
     if args.worker:
@@ -363,20 +370,45 @@ def main():
           f"{args.ballast_mib:g} MiB per timed layer", flush=True)
     worker_args = ["--repeats", args.repeats, "--micro-batches", *args.micro_batches,
                    "--ballast-mib", args.ballast_mib] + ([] if args.memory else ["--no-memory"])
-    return report(launch(__file__, worker_args, args.out, ("  zero", "  memory", "  costs")), summarise)
+    rows = []
+    for run in range(args.runs):
+        if args.runs > 1:
+            print(f"run {run + 1} of {args.runs}", flush=True)
+        got = launch(__file__, worker_args, args.out, ("  zero", "  memory", "  costs"))
+        if got is None:
+            return report(None)
+        rows += [dict(row, run=run) for row in got]
+    if args.runs > 1:
+        with open(args.out, "w") as fh:
+            json.dump(rows, fh)
+    return report(rows, summarise)
 
 
 def summarise(rows):
     timed = [r for r in rows if "step_s" in r and "memory" not in r]
-    for n in sorted({r["N"] for r in timed}):
-        by = {(r["schedule"], r["zero"]): r for r in timed if r["N"] == n}
-        one, three = by.get(("breadth-first", 1)), by.get(("breadth-first", 3))
-        if one and three:
-            print(f"N={n}: breadth-first ZeRO-3 / ZeRO-1 step = {three['step_s'] / one['step_s']:.3f}")
-    for key, what in (("measured_vs_sim", "step"), ("program_vs_sim", "program")):
-        sims = [r[key] for r in timed if key in r]
-        if sims:
-            print(f"measured/simulated {what}: {min(sims):.3f} to {max(sims):.3f}")
+    runs = sorted({r.get("run", 0) for r in timed})
+    for run in runs:
+        mine = [r for r in timed if r.get("run", 0) == run]
+        for n in sorted({r["N"] for r in mine}):
+            by = {(r["schedule"], r["zero"]): r for r in mine if r["N"] == n}
+            one, three = by.get(("breadth-first", 1)), by.get(("breadth-first", 3))
+            if one and three:
+                print(f"run {run + 1}, N={n}: breadth-first ZeRO-3 / ZeRO-1 step = "
+                      f"{three['step_s'] / one['step_s']:.3f}")
+        for key, what in (("measured_vs_sim", "step"), ("program_vs_sim", "program")):
+            sims = [r[key] for r in mine if key in r]
+            if sims:
+                print(f"run {run + 1}: measured/simulated {what}: {min(sims):.3f} to {max(sims):.3f}")
+    if len(runs) > 1:            # each row over the runs: median [lowest, highest]
+        print("over the runs, median [range]: step / ideal; measured / simulated step")
+        for key in sorted({(r["N"], r["schedule"], r["zero"]) for r in timed}):
+            same = [r for r in timed if (r["N"], r["schedule"], r["zero"]) == key]
+            cells = []
+            for field in ("vs_ideal", "measured_vs_sim"):
+                values = sorted(r[field] for r in same if field in r)
+                if values:
+                    cells.append(f"{statistics.median(values):.3f} [{values[0]:.3f}, {values[-1]:.3f}]")
+            print(f"  N={key[0]} {key[1]} ZeRO-{key[2]}: " + "; ".join(cells))
 
 
 if __name__ == "__main__":
