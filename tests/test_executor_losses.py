@@ -70,7 +70,7 @@ class _Ctx:
     def gather_weights(self, chunk):
         raise AssertionError("an unsharded program gathers nothing")
 
-    wait_weights = release_weights = gather_weights
+    wait_weights = release_weights = prepare_grads = gather_weights
 
 
 def _run(ops, events, schedule, batches):
@@ -119,7 +119,8 @@ def test_every_host_implements_the_execution_context():
     wanted = {name for name, member in inspect.getmembers(ExecutionContext, inspect.isfunction)
               if not name.startswith("_")}
     assert wanted == {"load_input", "forward", "loss", "backward_done", "start_grad_sync", "wait_grad_syncs",
-                      "clip_gradients", "optimizer_step", "gather_weights", "wait_weights", "release_weights"}
+                      "clip_gradients", "optimizer_step", "gather_weights", "wait_weights", "release_weights",
+                      "prepare_grads"}
     for host in (PipelineHost, AsyncPipelineHost, MegatronHost, LocalHost):
         missing = {name for name in wanted if not callable(getattr(host, name, None))}
         assert not missing, (host.__name__, missing)
