@@ -198,22 +198,32 @@ def traced_costs(engine, batches, trace_dir) -> tuple:
     return fwd / engine.placement.size, bwd / engine.placement.size
 
 
-def collective_time(dist, torch, group, numel, kind, rounds=10) -> float:
-    """Median time of one collective of ``numel`` floats over ``group`` (both members), apart from any step."""
+def collective_buffers(dist, torch, group, numel) -> tuple:
+    """(full, shard) buffers of a chunk of ``numel`` floats for a collective over ``group``."""
     size = dist.get_world_size(group)
     full = torch.zeros(numel - numel % size)
-    shard = torch.zeros(full.numel() // size)
+    return full, torch.zeros(full.numel() // size)
+
+
+def timed_collective(dist, group, kind: str, full, shard) -> float:
+    """Seconds one collective (``gather``, ``reduce_scatter`` or ``all_reduce``) takes from its post on."""
+    start = time.perf_counter()
+    if kind == "gather":
+        dist.all_gather_into_tensor(full, shard, group=group)
+    elif kind == "reduce_scatter":
+        dist.reduce_scatter_tensor(shard, full, group=group)
+    else:
+        dist.all_reduce(full, group=group)
+    return time.perf_counter() - start
+
+
+def collective_time(dist, torch, group, numel, kind, rounds=10) -> float:
+    """Median time of one collective of ``numel`` floats over ``group`` (both members), apart from any step."""
+    full, shard = collective_buffers(dist, torch, group, numel)
     times = []
     for _ in range(rounds + 1):
         dist.barrier(group=group)
-        start = time.perf_counter()
-        if kind == "gather":
-            dist.all_gather_into_tensor(full, shard, group=group)
-        elif kind == "reduce_scatter":
-            dist.reduce_scatter_tensor(shard, full, group=group)
-        else:
-            dist.all_reduce(full, group=group)
-        times.append(time.perf_counter() - start)
+        times.append(timed_collective(dist, group, kind, full, shard))
     return statistics.median(times[1:])
 
 
@@ -222,23 +232,16 @@ def collective_after_compute(dist, torch, group, numel, kind, slices, slice_s, r
     on its own (``slices`` timed sleeps of ``slice_s``, as the timed layers do), like a rank that posts
     a chunk's reduce-scatter after its backward: the data-parallel partner's lag is part of it. The
     collective alone (:func:`collective_time`) misses that lag; the step pays it at every sync."""
-    size = dist.get_world_size(group)
-    full = torch.zeros(numel - numel % size)
-    shard = torch.zeros(full.numel() // size)
+    full, shard = collective_buffers(dist, torch, group, numel)
     waits = []
     for _ in range(rounds + 1):
         dist.barrier(group=group)
         for _ in range(slices):
             time.sleep(slice_s)
-        start = time.perf_counter()
-        if kind == "gather":
-            dist.all_gather_into_tensor(full, shard, group=group)
-        else:
-            dist.reduce_scatter_tensor(shard, full, group=group)
-        waits.append(time.perf_counter() - start)
+        waits.append(timed_collective(dist, group, kind, full, shard))
     mean = torch.tensor([statistics.mean(waits[1:])], dtype=torch.float64)
     dist.all_reduce(mean, group=group)
-    return float(mean) / size
+    return float(mean) / dist.get_world_size(group)
 
 
 def fsdp_looped_bfs(torch, dist, rank, n, specs, stages, dp, data, repeats) -> dict:
