@@ -39,6 +39,7 @@ from datetime import timedelta
 
 from ..logs import get_logger
 from .bounded_store import BoundedStore, StoreUnresponsive
+from .teardown import destroy_groups_at_exit
 
 log = get_logger()
 BEAT_S = 0.25             # heartbeat and polling period
@@ -335,7 +336,11 @@ def monitor(timeout_s: float | None = None) -> FaultMonitor | None:
     """
     global _MONITOR
     import torch.distributed as dist
-    if os.environ.get(ENV_DISABLE) == "0" or not dist.is_available() or not dist.is_initialized():
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    # registered before the monitor's own close, so it runs after it (atexit runs last-in first)
+    destroy_groups_at_exit()
+    if os.environ.get(ENV_DISABLE) == "0":
         return None
     with _MONITOR_LOCK:
         if _MONITOR is None:
