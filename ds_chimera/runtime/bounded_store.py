@@ -48,11 +48,25 @@ class BoundedStore:
         self._pending: _Call | None = None  # the last call handed to the helper, and when
         self._pending_since = 0.0
         # a daemon: a call the store never answers must not hold the interpreter's exit
-        threading.Thread(target=self._serve, name=f"ds_chimera-{name}", daemon=True).start()
+        self._helper = threading.Thread(target=self._serve, name=f"ds_chimera-{name}", daemon=True)
+        self._helper.start()
 
     def _serve(self) -> None:
         while True:
-            self._requests.get().run()
+            call = self._requests.get()
+            if call is None:
+                return
+            call.run()
+
+    def close(self) -> None:
+        """End the helper thread, waiting at most the deadline for a call under way.
+
+        At a normal exit this must happen before the interpreter finalizes: a daemon thread
+        that comes back from a store call then is ended by Python inside torch's C++ frames,
+        which aborts the process ("terminate called without an active exception")."""
+        self._requests.put(None)
+        if self._helper is not threading.current_thread():
+            self._helper.join(self.deadline_s)
 
     def _call(self, method: str, *args):
         # one call at a time (the monitor's thread and the guarded work share a client); a

@@ -300,12 +300,19 @@ class FaultMonitor:
                                                                f"{self.activity}]")
 
     def close(self) -> None:
-        """A normal end: the others must not mistake this rank's silence for a death."""
+        """A normal end: the others must not mistake this rank's silence for a death. The watch
+        thread and the store's helper end here, before the interpreter finalizes (a daemon
+        thread still in a store call then would abort the process; see BoundedStore.close)."""
         if self._stop.is_set():
             return
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(BEAT_S + getattr(self.store, "deadline_s", 0.0))
         with contextlib.suppress(Exception):
             self.store.set(f"done/{self.rank}", "1")
+        closer = getattr(self.store, "close", None)
+        if closer is not None:
+            closer()
 
 
 def _is_comm_error(exc: BaseException) -> bool:

@@ -5,7 +5,9 @@ A process that exits with its gloo process groups alive can abort in C++ teardow
 measured on this 2-core host under load, torch alone (init, all-reduce, exit) aborted in
 5 of 10 runs and DeepSpeed's init in 11 of 15; with the groups destroyed at exit, 0 of 10.
 Training scripts rarely call ``destroy_process_group``, and a launcher reports the abort as
-the run's failure, so ds_chimera destroys the groups itself at a normal exit.
+the run's failure, so ds_chimera destroys the groups itself at a normal exit. (The fault
+monitor's own threads are the other cause of such aborts; its exit handler, which runs
+before this one, stops them: see ``FaultMonitor.close``.)
 
 An abnormal end does not come here: the fault monitor ends the process with ``os._exit``.
 Destroying a group whose collective never completes would wait for it, so the destroy runs
