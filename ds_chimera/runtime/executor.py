@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..schedules.actions import (ACT, BACKWARD, BACKWARD_KINDS, FORWARD, GRAD, GRAD_KINDS, STEP, WEIGHT_GRAD, Action,
-                                 ClipGrads, CommBatch, Gather, GradSync, OptimizerStep, Release, SyncWait)
+from ..schedules.actions import (ACT, BACKWARD, BACKWARD_KINDS, FORWARD, GRAD, GRADIENT_KINDS, STEP, WEIGHT_GRAD,
+                                 Action, ClipGrads, CommBatch, Gather, GradSync, OptimizerStep, Release, SyncWait)
 from .context import ExecutionContext
 from .tensors import as_leaves, as_tuple, pack, versions
 from .tracing import StepTrace, profiler_range
@@ -133,7 +133,7 @@ class StepRun:
         current_action = op
         if self.sharded:
             self.ctx.wait_weights(op[1])
-            if op[0] in GRAD_KINDS:
+            if op[0] in GRADIENT_KINDS:
                 self.ctx.prepare_grads(op[1])
         trace = self.trace
         start = trace.clock.mark() if trace is not None else None

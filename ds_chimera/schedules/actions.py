@@ -62,7 +62,6 @@ FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, STEP = Kind.FORWARD, Kind.BACKWARD, 
 ACT, GRAD = Payload.ACT, Payload.GRAD
 COMPUTE_KINDS = tuple(Kind)
 BACKWARD_KINDS = (BACKWARD, INPUT_GRAD)   # the kinds that produce an input gradient
-GRAD_KINDS = (BACKWARD, WEIGHT_GRAD)      # the kinds that accumulate weight gradients
 GRADIENT_KINDS = (BACKWARD, WEIGHT_GRAD)  # the kinds after which a chunk's weight gradients exist
 
 

@@ -26,7 +26,7 @@ counts them, and the simulator prices them.
 """
 from __future__ import annotations
 
-from .actions import GRAD_KINDS, STEP, Action, CommBatch, Gather, GradSync, Release, SyncWait
+from .actions import GRADIENT_KINDS, STEP, Action, CommBatch, Gather, GradSync, Release, SyncWait
 from .lowering import Program
 
 ZERO_STAGES = (2, 3)
@@ -99,7 +99,7 @@ def _grad_waits(rank_ops: list) -> list:
             pending.add(op.stage)
         elif type(op) is SyncWait:
             pending -= set(op.stages)
-        elif type(op) is Action and op.kind in GRAD_KINDS and op.chunk not in started:
+        elif type(op) is Action and op.kind in GRADIENT_KINDS and op.chunk not in started:
             started.add(op.chunk)
             if pending:
                 waits.append((i, tuple(sorted(pending))))
