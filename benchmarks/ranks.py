@@ -46,16 +46,12 @@ def report(rows, summarise=None) -> int:
 
 
 def save_rows(dist, rows: list, out: str) -> None:
-    """Worker side: rank 0 writes ``rows`` to ``out`` (whole or not at all); every rank waits for
-    that, then ends its process at once. A worker that built many engines can abort in the
-    interpreter's teardown (threads of the engines' groups still alive: "terminate called
-    without an active exception"), which would fail a run whose rows are all written."""
+    """Worker side: rank 0 writes ``rows`` to ``out`` (whole or not at all), then every rank
+    leaves the process group."""
     if dist.get_rank() == 0:
         tmp = out + ".tmp"
         with open(tmp, "w") as fh:
             json.dump(rows, fh)
         os.replace(tmp, out)
     dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    dist.destroy_process_group()

@@ -9,9 +9,9 @@ Four CPU ranks: 2 pipeline stages x 2 data-parallel, 4 chunks per rank. The time
 chunk) carries a ballast parameter of ``--ballast-mib`` MiB. Every rank's share costs
 F = I = W = 20 ms per micro-batch, plus what the ballast's gradient costs. For each row it
 prints the median step / ideal, the chunk all-gathers per step, and the simulator's
-prediction of the same program with costs measured in the run (the median forward and
-backward of a chunk from a traced step, the host's time in the optimizer step and in each
-gradient-sync post; and apart from the steps the all-gather of one chunk, the gradient
+prediction of the same program with costs measured in the run (the mean forward and
+backward of a chunk from a traced step, the host's time in the optimizer step, in each
+gradient-sync post and in the global norm's collective; and apart from the steps the all-gather of one chunk, the gradient
 reduce-scatter or all-reduce, the P2P latency to a waiting rank and the host's time per
 message); then the ZeRO-3 /
 ZeRO-1 step ratio of breadth-first, and the memory each rank holds for ZeRO-0/1/2/3
@@ -163,8 +163,8 @@ def worker(args):
 
 
 def timed(owner, name: str) -> list:
-    """Wrap ``owner.name`` (the optimizer's step, the host's gradient-sync post) to record how long each
-    call takes on the host (seconds): the simulator's per-call costs of the same run."""
+    """Wrap ``owner.name`` (the optimizer's step, the host's gradient-sync post and clip, the executor's
+    run of the program) to record how long each call takes on the host (seconds)."""
     times, call = [], getattr(owner, name)
 
     def timed_call(*args, **kwargs):
