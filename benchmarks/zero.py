@@ -10,10 +10,11 @@ chunk) carries a ballast parameter of ``--ballast-mib`` MiB. Every rank's share 
 F = I = W = 20 ms per micro-batch, plus what the ballast's gradient costs. For each row it
 prints the median step / ideal, the chunk all-gathers per step, and the simulator's
 prediction of the same program with costs measured in the run (the mean forward and
-backward of a chunk from a traced step, the host's time in the optimizer step, in each
-gradient-sync post and in the global norm's collective; and apart from the steps the all-gather of one chunk, the gradient
-reduce-scatter or all-reduce, the P2P latency to a waiting rank and the host's time per
-message); then the ZeRO-3 /
+backward of a chunk and the runtime's host time around each action, from a traced step;
+the host's time in the optimizer step, in each gradient-sync post, in each all-gather post
+and in the global norm's collective; and apart from the steps the all-gather of one chunk,
+the gradient reduce-scatter or all-reduce, the P2P latency to a waiting rank and the
+host's time per message); then the ZeRO-3 /
 ZeRO-1 step ratio of breadth-first, and the memory each rank holds for ZeRO-0/1/2/3
 (weights, gradients, optimizer state at their peaks, and the activations autograd saved). torch.distributed.pipelining's LoopedBFS with FSDP2 runs beside
 them where it runs on gloo; the row says why where it does not.
@@ -126,23 +127,28 @@ def worker(args):
             batches = data(n)
             engines.append((schedule, zero, engine, {name: timed(owner, name) for owner, name in (
                 (engine.optimizer, "step"), (engine.host, "start_grad_sync"), (engine.host, "clip_gradients"),
-                (engine.executor, "run"))}))
+                (engine.host, "gather_weights"), (engine.executor, "run"))}))
             steps.append(lambda e=engine, b=batches: e.train_batch(iter(b)))
         times = median_steps_in_turn(dist, steps, args.repeats)
         for (schedule, zero, engine, spent), step_s in zip(engines, times):
             ideal = n * 3 * COST_S
             program = engine.plan.program
             # the first step (the warm-up round: allocations, the optimizer state's creation) left out
-            median = {name: statistics.median(values[len(values) // (args.repeats + 1):])
+            median = {name: statistics.median(values[len(values) // (args.repeats + 1):]) if values else 0.0
                       for name, values in spent.items()}
             # the global norm's own time: the last rank to arrive waits for nobody
             clip_s = reduced(dist, torch, median["clip_gradients"], dist.ReduceOp.MIN)
             program_s = reduced(dist, torch, median["run"], dist.ReduceOp.MAX)
-            fwd, bwd = traced_costs(engine, data(n), trace_dir)      # one chunk's, in stage units
+            fwd, bwd, gaps = traced_costs(engine, data(n), trace_dir, send_s)   # one chunk's, in stage units
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, gaps)         # some ranks have no such pair (a gather between)
+            every = [gap for mine in every for gap in mine]
+            dispatch = statistics.median(every) if every else 0.0
             costs = Costs(fwd=fwd, bwd=bwd, wgrad=bwd / 2, gather=gather_s * CHUNKS,
+                          gather_post=median["gather_weights"],
                           allreduce=(scatter_after[n] if zero >= 2 else allreduce_s), comm=waiting_s, send=send_s,
                           recv=recv_s, sync_post=median["start_grad_sync"], clip=clip_s,
-                          step=median["step"] / engine.placement.size / CHUNKS)
+                          step=median["step"] / engine.placement.size / CHUNKS, dispatch=max(dispatch, 0.0))
             sim = simulate(program, costs, data_parallel=dp)
             row = {"schedule": schedule, "zero": zero, "N": n, "step_s": step_s, "vs_ideal": step_s / ideal,
                    "gathers": gathers_per_rank(program)[engine.pipe_rank] if zero >= 2 else 0,
@@ -153,7 +159,8 @@ def worker(args):
             if rank == 0:
                 print(f"  zero N={n} {schedule} ZeRO-{zero}: {row['vs_ideal']:.3f} x ideal, {row['gathers']} gathers/step, "
                       f"measured/simulated: step {row['measured_vs_sim']:.3f}, program {row['program_vs_sim']:.3f} "
-                      f"(the engine around the program {row['around_program_s'] * 1e3:.1f} ms)", flush=True)
+                      f"(the engine around the program {row['around_program_s'] * 1e3:.1f} ms; host time per action "
+                      f"{costs.dispatch * 1e3:.2f} ms, per gather post {costs.gather_post * 1e3:.2f} ms)", flush=True)
         rows.append(fsdp_looped_bfs(torch, dist, rank, n, specs, stages, dp, data, args.repeats))
         del engines, steps
         release_groups(dist, keep)
@@ -183,19 +190,36 @@ def reduced(dist, torch, value: float, op) -> float:
     return float(tensor)
 
 
-def traced_costs(engine, batches, trace_dir) -> tuple:
-    """(forward, backward) of one chunk per micro-batch, in stage units: means of a traced step's actions
-    (a makespan adds durations up, so the mean is what predicts it, the sleeps' overshoot included)."""
-    engine.plan.trace_dir = trace_dir
+def traced_costs(engine, batches, trace_dir, send_s: float, steps: int = 3) -> tuple:
+    """(forward, backward) of one chunk per micro-batch, in stage units: means over ``steps`` traced
+    steps' actions (a makespan adds durations up, so the mean is what predicts it, the sleeps'
+    overshoot included); and the runtime's host time around each action: the gaps between two
+    consecutive actions with nothing between them that can wait (only sends, each ``send_s`` of
+    host time, taken off). Returns (forward, backward, gaps)."""
+    from ds_chimera.schedules.actions import Action, CommBatch
+    ops = engine.plan.program.ops[engine.pipe_rank]
+    fwds, bwds, gaps = [], [], []
     os.makedirs(trace_dir, exist_ok=True)
-    try:
-        engine.train_batch(iter(batches))
-    finally:
-        engine.plan.trace_dir = None
-    records = engine.executor.records
-    fwd = statistics.mean(end - start for _, kind, _, _, start, end in records if kind == "F")
-    bwd = statistics.mean(end - start for _, kind, _, _, start, end in records if kind == "B")
-    return fwd / engine.placement.size, bwd / engine.placement.size
+    for _ in range(steps):
+        engine.plan.trace_dir = trace_dir
+        try:
+            engine.train_batch(iter(batches))
+        finally:
+            engine.plan.trace_dir = None
+        records = engine.executor.records
+        fwds += [end - start for _, kind, _, _, start, end in records if kind == "F"]
+        bwds += [end - start for _, kind, _, _, start, end in records if kind == "B"]
+        done, between = -1, []
+        for op in ops:
+            if type(op) is not Action:
+                between.append(op)
+                continue
+            if done >= 0 and all(type(o) is CommBatch and not o.recvs for o in between):
+                sends = sum(len(o.sends) for o in between)
+                gaps.append(records[done + 1][4] - records[done][5] - sends * send_s)
+            done, between = done + 1, []
+    size = engine.placement.size
+    return statistics.mean(fwds) / size, statistics.mean(bwds) / size, gaps
 
 
 def collective_buffers(dist, torch, group, numel) -> tuple:

@@ -49,9 +49,13 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost-sync-post", type=float, default=0.0, help="a rank's own time to post one gradient sync")
     p.add_argument("--cost-gather", type=float, default=0.0,
                    help="ZeRO-2/3: time to all-gather one stage's worth of sharded weights")
+    p.add_argument("--cost-gather-post", type=float, default=0.0,
+                   help="ZeRO-2/3: a rank's own time to post one chunk's all-gather")
     p.add_argument("--cost-step", type=float, default=0.0, help="optimizer step of one stage's worth of weights")
     p.add_argument("--cost-clip", type=float, default=0.0,
                    help="the global gradient norm's collective, from the last rank's arrival")
+    p.add_argument("--cost-dispatch", type=float, default=0.0,
+                   help="the runtime's host time around each compute action, beyond the op itself")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO stage: 2 and 3 add the chunks' weight gathers (and 3 their releases) to the program")
     p.add_argument("--data-parallel", type=int, default=1,

@@ -347,6 +347,24 @@ def test_gathers_the_step_and_the_clip_cost_time_in_the_simulation():
     assert simulate(program, Costs(clip=0.25)).makespan == pytest.approx(plain + 0.25)
     # the first gather of the step cannot hide behind anything
     assert simulate(shard(program, 3), Costs(gather=0.75)).makespan == pytest.approx(plain + 0.75)
+    # posting a gather holds the rank: 1f1b at ZeRO-3 gathers its one chunk once, at the start
+    assert simulate(shard(program, 3), Costs(gather_post=0.125)).makespan == pytest.approx(plain + 0.125)
+
+
+def test_the_runtimes_host_time_per_action_is_paid_before_each_compute():
+    """1f1b, D = 2, N = 4 at unit costs (F 1, B 2) takes 15; the critical path runs rank 0's first
+    forward, the four micro-batches over rank 1 (8 actions), and rank 0's last backward: 10 actions,
+    each ``dispatch`` later. A rank's busy time stays its compute alone."""
+    program = build("1f1b", 2, 4).lower()
+    plain = simulate(program, Costs())
+    assert plain.makespan == 15.0
+    slowed = simulate(program, Costs(dispatch=0.1))
+    assert slowed.makespan == pytest.approx(15.0 + 10 * 0.1)
+    assert slowed.busy == plain.busy
+    first = min(start for rank, _, _, _, start, _ in slowed.records if rank == 0)
+    assert first == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="dispatch must be a finite number >= 0, got -1"):
+        Costs(dispatch=-1)
 
 
 def test_one_chunks_full_gradients_at_a_time_and_the_reduce_scatters_are_priced():

@@ -221,10 +221,10 @@ def test_list_scheduler_makespan_is_the_simulators(d, n):
     assert span == simulate(lower("zbv", placement, orders), SPLIT).makespan
 
 
-@pytest.mark.parametrize("comm", [0.0, 0.3])
-def test_fast_compute_timing_equals_the_simulator(comm):
+@pytest.mark.parametrize("comm, dispatch", [(0.0, 0.0), (0.3, 0.0), (0.3, 0.05)])
+def test_fast_compute_timing_equals_the_simulator(comm, dispatch):
     from ds_chimera.schedules.timing import compute_timing
-    costs = Costs(fwd=1.0, bwd=2.0, wgrad=1.0, comm=comm)
+    costs = Costs(fwd=1.0, bwd=2.0, wgrad=1.0, comm=comm, dispatch=dispatch)
     checked = 0
     for name, d, n, v in grid():
         if d > 6 or n > 3 * d:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from .actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
 
-COST_NAMES = ("fwd", "bwd", "wgrad", "comm", "allreduce", "send", "recv", "sync_post", "gather", "step", "clip")
+COST_NAMES = ("fwd", "bwd", "wgrad", "comm", "allreduce", "send", "recv", "sync_post", "gather", "gather_post",
+              "step", "clip", "dispatch")
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,11 @@ class Costs:
     ``sync_post`` its own time to post one gradient sync (gather the stage's gradients,
     post the all-reduce): the rank computes nothing meanwhile. ``gather`` is the time to
     all-gather one stage's worth of sharded weights (ZeRO-2/3; a chunk pays it times its
-    size); under sharding ``allreduce`` prices the gradients' reduce-scatter. ``step`` is the
+    size) and ``gather_post`` the rank's own time to post one; under sharding ``allreduce``
+    prices the gradients' reduce-scatter. ``dispatch`` is the runtime's host time around each
+    compute action beyond the op itself (its bookkeeping, the weights' and gradient buffers'
+    readiness checks): like ``send``, nothing next to a GPU kernel, a visible share on CPU
+    ranks, and it adds up over the many actions of a looped schedule. ``step`` is the
     optimizer step of one stage's worth of weights (a chunk pays it times its size). ``clip``
     is the global gradient norm's collective (every rank's squared norm summed), counted from
     the moment the last rank arrives.
@@ -41,8 +46,10 @@ class Costs:
     recv: float = 0.0
     sync_post: float = 0.0
     gather: float = 0.0
+    gather_post: float = 0.0
     step: float = 0.0
     clip: float = 0.0
+    dispatch: float = 0.0
 
     def __post_init__(self):
         for name in COST_NAMES:

@@ -31,7 +31,8 @@ def compute_timing(placement: Placement, orders: list, costs, want_starts: bool 
 
     Used where many candidate orders are compared (Chimera's ``auto``, the pieces of ``merged``):
     it skips lowering and validation, so it is several times faster. It models per-message
-    latency (``costs.comm``) but not the hosts' per-message ``send``/``recv`` time (that
+    latency (``costs.comm``) and the runtime's ``dispatch`` per action, but not the hosts'
+    per-message ``send``/``recv`` time (that
     depends on how lowering batches messages). With ``syncs`` it also models the gradient
     syncs a synchronous program posts (where lowering puts them, each costing its rank
     ``sync_post``, done ``allreduce`` after the group's last post). Tests hold it equal to
@@ -83,6 +84,7 @@ def compute_timing(placement: Placement, orders: list, costs, want_starts: bool 
                     when += comm
                 if when > t:
                     t = when
+            t += costs.dispatch
             if want_starts:
                 starts[(kind, c, mb)] = t
             t += cost.get(kind, 0.0) if durations is None else durations[(kind, c, mb)]

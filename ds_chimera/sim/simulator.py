@@ -5,8 +5,9 @@ gets one forward and one backward per chunk on its route), ordered (no work befo
 data it needs has been computed and received) and deadlock-free. It also reports what a
 user plans with: makespan, bubble ratio, busy time, in-flight activations and weights.
 
-Execution model: a rank runs its ops in order, one compute at a time. Sends are
-non-blocking; a message arrives ``comm`` after it is posted. Receives block. A gradient
+Execution model: a rank runs its ops in order, one compute at a time, each after
+``dispatch`` of the runtime's own host time. Sends are non-blocking; a message arrives
+``comm`` after it is posted. Receives block. A gradient
 sync is posted without blocking and completes ``allreduce`` after its last member posts
 (its data-parallel copies, outside the program, post alike); a SYNC_WAIT waits for it. A
 global CLIP is a collective of every rank (their norms are summed). Ranks are advanced
@@ -213,6 +214,7 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                     if unawaited:
                         error(f"rank {r}: {op} steps while the gradient sync of stage {chunk_stage[c]} is "
                               f"still pending (no SYNC_WAIT before it)")
+                t += costs.dispatch
                 dt = cost_of[kind]
                 records.append((r, kind, c, mb, t, t + dt))
                 t += dt
@@ -324,6 +326,7 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                 elif op.chunk in resident[r]:
                     error(f"rank {r}: gathers chunk {op.chunk} while its weights are already gathered")
                 else:
+                    t += costs.gather_post
                     resident[r][op.chunk] = t + costs.gather * size     # posted: it overlaps what follows
                     gathers[r] += 1
                     gathered_peak[r] = max(gathered_peak[r], len(resident[r]) * size)
