@@ -74,7 +74,8 @@ def worker(args):
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     stages, dp = 2, 2
-    layer_s = COST_S * stages / LAYERS
+    cost_s = args.op_ms / 1e3
+    layer_s = cost_s * stages / LAYERS
     numel = int(args.ballast_mib * 2 ** 20 / 4)
     trace_dir = os.path.join(os.path.dirname(os.path.abspath(args.out)), ".zero_traces")
     ballast = ballast_layer_class()
@@ -106,11 +107,11 @@ def worker(args):
     gather_s = collective_time(dist, torch, dp_group, chunk_bytes // 4, "gather")
     scatter_s = collective_time(dist, torch, dp_group, chunk_bytes // 4, "reduce_scatter")
     # the reduce-scatter as the step meets it: after a chunk's backward of N micro-batches, each member's own
-    backward_s = 2 * COST_S / CHUNKS
+    backward_s = 2 * cost_s / CHUNKS
     scatter_after = {n: collective_after_compute(dist, torch, dp_group, chunk_bytes // 4, "reduce_scatter", n,
                                                  backward_s) for n in args.micro_batches}
     allreduce_s = collective_time(dist, torch, dp_group, chunk_bytes // 4, "all_reduce")
-    waiting_s = p2p_waiting_latency(dist, torch, rank, idle_s=COST_S)     # to a rank that waited for its input
+    waiting_s = p2p_waiting_latency(dist, torch, rank, idle_s=cost_s)     # to a rank that waited for its input
     send_s, recv_s, _ = p2p_host_costs(dist, torch, rank)
     if rank == 0:
         print(f"  costs: one chunk ({chunk_bytes / 2 ** 20:.1f} MiB) all-gather {gather_s * 1e3:.1f} ms, "
@@ -131,7 +132,7 @@ def worker(args):
             steps.append(lambda e=engine, b=batches: e.train_batch(iter(b)))
         times = median_steps_in_turn(dist, steps, args.repeats)
         for (schedule, zero, engine, spent), step_s in zip(engines, times):
-            ideal = n * 3 * COST_S
+            ideal = n * 3 * cost_s
             program = engine.plan.program
             # the first step (the warm-up round: allocations, the optimizer state's creation) left out
             median = {name: statistics.median(values[len(values) // (args.repeats + 1):]) if values else 0.0
@@ -161,7 +162,7 @@ def worker(args):
                       f"measured/simulated: step {row['measured_vs_sim']:.3f}, program {row['program_vs_sim']:.3f} "
                       f"(the engine around the program {row['around_program_s'] * 1e3:.1f} ms; host time per action "
                       f"{costs.dispatch * 1e3:.2f} ms, per gather post {costs.gather_post * 1e3:.2f} ms)", flush=True)
-        rows.append(fsdp_looped_bfs(torch, dist, rank, n, specs, stages, dp, data, args.repeats))
+        rows.append(fsdp_looped_bfs(torch, dist, rank, n, specs, stages, dp, data, args.repeats, cost_s))
         del engines, steps
         release_groups(dist, keep)
     if args.memory:
@@ -195,17 +196,26 @@ def traced_costs(engine, batches, trace_dir, send_s: float, steps: int = 3) -> t
     steps' actions (a makespan adds durations up, so the mean is what predicts it, the sleeps'
     overshoot included); and the runtime's host time around each action: the gaps between two
     consecutive actions with nothing between them that can wait (only sends, each ``send_s`` of
-    host time, taken off). Returns (forward, backward, gaps)."""
+    host time, taken off), less the action's wait for its chunk's gathered weights (the
+    simulator prices the gather). Returns (forward, backward, gaps)."""
     from ds_chimera.schedules.actions import Action, CommBatch
     ops = engine.plan.program.ops[engine.pipe_rank]
+    actions = sum(1 for op in ops if type(op) is Action)
     fwds, bwds, gaps = [], [], []
     os.makedirs(trace_dir, exist_ok=True)
+    own = engine.host.__dict__.get("wait_weights")      # an instance attribute already, or the class's
     for _ in range(steps):
+        waits = timed(engine.host, "wait_weights")     # sharded: one call before each action
         engine.plan.trace_dir = trace_dir
         try:
             engine.train_batch(iter(batches))
         finally:
             engine.plan.trace_dir = None
+            if own is None:
+                del engine.host.wait_weights
+            else:
+                engine.host.wait_weights = own
+        waits = waits if len(waits) == actions else [0.0] * actions
         records = engine.executor.records
         fwds += [end - start for _, kind, _, _, start, end in records if kind == "F"]
         bwds += [end - start for _, kind, _, _, start, end in records if kind == "B"]
@@ -216,7 +226,7 @@ def traced_costs(engine, batches, trace_dir, send_s: float, steps: int = 3) -> t
                 continue
             if done >= 0 and all(type(o) is CommBatch and not o.recvs for o in between):
                 sends = sum(len(o.sends) for o in between)
-                gaps.append(records[done + 1][4] - records[done][5] - sends * send_s)
+                gaps.append(records[done + 1][4] - records[done][5] - sends * send_s - waits[done + 1])
             done, between = done + 1, []
     size = engine.placement.size
     return statistics.mean(fwds) / size, statistics.mean(bwds) / size, gaps
@@ -268,7 +278,7 @@ def collective_after_compute(dist, torch, group, numel, kind, slices, slice_s, r
     return float(mean) / dist.get_world_size(group)
 
 
-def fsdp_looped_bfs(torch, dist, rank, n, specs, stages, dp, data, repeats) -> dict:
+def fsdp_looped_bfs(torch, dist, rank, n, specs, stages, dp, data, repeats, cost_s) -> dict:
     """torch.distributed.pipelining's LoopedBFS with FSDP2 over the data-parallel pairs, if it runs on gloo."""
     row = {"schedule": "torch LoopedBFS + FSDP2", "zero": 3, "N": n}
     try:
@@ -298,7 +308,7 @@ def fsdp_looped_bfs(torch, dist, rank, n, specs, stages, dp, data, repeats) -> d
             schedule.step(*((x,) if pp_rank == 0 else ()), **({"target": y} if pp_rank == stages - 1 else {}))
             opt.step()
         step_s = median_step(dist, step, repeats)
-        row.update(step_s=step_s, vs_ideal=step_s / (n * 3 * COST_S))
+        row.update(step_s=step_s, vs_ideal=step_s / (n * 3 * cost_s))
         if rank == 0:
             print(f"  zero N={n} torch LoopedBFS + FSDP2: {row['vs_ideal']:.3f} x ideal", flush=True)
     except Exception as exc:           # report, never hide: the row says why it is missing
@@ -381,6 +391,9 @@ def main():
     parser.add_argument("--micro-batches", type=int, nargs="+")
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--ballast-mib", type=float, default=2.0, help="extra weights per timed layer")
+    parser.add_argument("--op-ms", type=float, default=COST_S * 1e3,
+                        help="F = I = W per rank and micro-batch, in ms: a longer op leaves this host's fixed-size "
+                             "stalls a smaller share of the step")
     parser.add_argument("--no-memory", dest="memory", action="store_false")
     parser.add_argument("--runs", type=int, default=1,
                         help="launch the whole measurement this many times (this host's load drifts between "
@@ -393,10 +406,12 @@ def main():
     args.repeats = args.repeats or (3 if args.quick else 5)
     if args.worker:
         return worker(args)
-    print(f"2 stages x 2 data-parallel, F = I = W = {COST_S * 1e3:.0f} ms per rank and micro-batch, "
+    print(f"2 stages x 2 data-parallel, F = I = W = {args.op_ms:g} ms per rank and micro-batch, "
           f"{args.ballast_mib:g} MiB per timed layer", flush=True)
+    if not args.op_ms > 0:
+        parser.error(f"--op-ms must be > 0, got {args.op_ms}")
     worker_args = ["--repeats", args.repeats, "--micro-batches", *args.micro_batches,
-                   "--ballast-mib", args.ballast_mib] + ([] if args.memory else ["--no-memory"])
+                   "--ballast-mib", args.ballast_mib, "--op-ms", args.op_ms] + ([] if args.memory else ["--no-memory"])
     rows = []
     for run in range(args.runs):
         if args.runs > 1:
