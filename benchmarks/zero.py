@@ -3,6 +3,8 @@
     python benchmarks/zero.py             # N in {4, 8}
     python benchmarks/zero.py --quick     # N = 4, fewer repeats
     python benchmarks/zero.py --runs 3    # three launches; each row's median and range over them
+    python benchmarks/zero.py --op-ms 80 --ballast-mib 8   # 4x longer ops and weights: this host's
+                                          # fixed-size stalls a quarter of the share (RESULTS)
 
 Four CPU ranks: 2 pipeline stages x 2 data-parallel, 4 chunks per rank. The timed model
 (``timed_model``) with weights that cost something to move: each timed layer (one per
