@@ -408,10 +408,10 @@ def main():
     args.repeats = args.repeats or (3 if args.quick else 5)
     if args.worker:
         return worker(args)
-    print(f"2 stages x 2 data-parallel, F = I = W = {args.op_ms:g} ms per rank and micro-batch, "
-          f"{args.ballast_mib:g} MiB per timed layer", flush=True)
     if not args.op_ms > 0:
         parser.error(f"--op-ms must be > 0, got {args.op_ms}")
+    print(f"2 stages x 2 data-parallel, F = I = W = {args.op_ms:g} ms per rank and micro-batch, "
+          f"{args.ballast_mib:g} MiB per timed layer", flush=True)
     worker_args = ["--repeats", args.repeats, "--micro-batches", *args.micro_batches,
                    "--ballast-mib", args.ballast_mib, "--op-ms", args.op_ms] + ([] if args.memory else ["--no-memory"])
     rows = []

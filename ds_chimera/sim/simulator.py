@@ -7,11 +7,11 @@ user plans with: makespan, bubble ratio, busy time, in-flight activations and we
 
 Execution model: a rank runs its ops in order, one compute at a time, each after
 ``dispatch`` of the runtime's own host time. Sends are non-blocking; a message arrives
-``comm`` after it is posted. Receives block. A gradient
-sync is posted without blocking and completes ``allreduce`` after its last member posts
-(its data-parallel copies, outside the program, post alike); a SYNC_WAIT waits for it. A
-global CLIP is a collective of every rank (their norms are summed). Ranks are advanced
-by an event-driven worklist, so the cost is linear in the number of ops.
+``comm`` after it is posted. Receives block. A gradient sync is posted without blocking
+and completes ``allreduce`` after its last member posts (its data-parallel copies, outside
+the program, post alike); a SYNC_WAIT waits for it. A global CLIP is a collective of every
+rank (their norms are summed). Ranks are advanced by an event-driven worklist, so the cost
+is linear in the number of ops.
 """
 from __future__ import annotations
 
