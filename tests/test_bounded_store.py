@@ -54,7 +54,7 @@ def test_a_stopped_host_is_an_error_within_the_deadline_and_recovers(hosted):
         time.sleep(0.01)                             # the signal is delivered asynchronously
     try:
         start = time.monotonic()
-        with pytest.raises(StoreUnresponsive, match="did not answer a add within 1s"):
+        with pytest.raises(StoreUnresponsive, match=r"did not answer add\(\) within 1s: its host"):
             store.add("n", 1)
         assert time.monotonic() - start < 1.5
         start = time.monotonic()                     # the helper is still blocked: no second wait
@@ -71,3 +71,20 @@ def test_a_stopped_host_is_an_error_within_the_deadline_and_recovers(hosted):
         except StoreUnresponsive:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+
+
+def test_close_does_not_wait_for_a_call_the_host_never_answered(hosted):
+    """A process that ends because its store's host stopped must not wait at exit for the stuck call."""
+    proc, client = hosted
+    store = BoundedStore(client, deadline_s=1.0)
+    os.kill(proc.pid, signal.SIGSTOP)
+    while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        time.sleep(0.01)
+    try:
+        with pytest.raises(StoreUnresponsive):
+            store.add("n", 1)
+        start = time.monotonic()
+        store.close()
+        assert time.monotonic() - start < 0.2            # not the deadline's 1 s
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)

@@ -16,7 +16,10 @@ from chaos import Case, check_case, grid, run_case
 # silence); DS_CHIMERA_FULL=1 adds the stopped save's resume (the interrupted save is cleaned up and
 # the run resumes exactly). The grid covers every engine, each case with its resume.
 SUITE = [(Case("chimera", 1, "forward", "raise"), False), (Case("wavelet", 2, "send", "kill"), False),
-         (Case("zbv", 3, "save", "stop", timeout=5.0), tiers.FULL), (Case("wavelet", 0, "receive", "stop"), False)]
+         (Case("zbv", 3, "save", "stop", timeout=5.0), tiers.FULL), (Case("wavelet", 0, "receive", "stop"), False),
+         # the monitor turned off: Wavelet's partner channel polls the store rank 0 hosts, and torch's
+         # store calls to a stopped host never return, so the channel bounds them itself
+         (Case("wavelet", 0, "receive", "stop", monitor=False), False)]
 GRID = os.environ.get("DS_CHIMERA_CHAOS")
 CASES = SUITE if not GRID else [(case, True) for case in grid(seed=0, size=None if GRID == "full" else int(GRID))]
 

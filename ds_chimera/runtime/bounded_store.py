@@ -65,6 +65,9 @@ class BoundedStore:
         that comes back from a store call then is ended by Python inside torch's C++ frames,
         which aborts the process ("terminate called without an active exception")."""
         self._requests.put(None)
+        pending = self._pending
+        if pending is not None and not pending.finished.is_set():
+            return          # a call that outlived its deadline holds the helper: it may never return
         if self._helper is not threading.current_thread():
             self._helper.join(self.deadline_s)
 
@@ -82,8 +85,9 @@ class BoundedStore:
             self._pending, self._pending_since = call, time.monotonic()
             self._requests.put(call)
             if not call.finished.wait(self.deadline_s):
-                raise StoreUnresponsive(f"the rendezvous store did not answer a {method} within "
-                                        f"{self.deadline_s:g}s")
+                raise StoreUnresponsive(f"the rendezvous store did not answer {method}() within "
+                                        f"{self.deadline_s:g}s: its host (rank 0 under env://, else the "
+                                        f"launcher) died or is stuck")
         finally:
             self._lock.release()
         if call.error is not None:

@@ -25,6 +25,7 @@ timing noise would let it drift.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import statistics
 import time
@@ -38,6 +39,7 @@ from deepspeed.runtime.model_checkpointing.constants import CHECKPOINT_TAG_VALID
 
 from ..logs import get_logger
 from ..runtime import faults
+from ..runtime.bounded_store import BoundedStore
 from ..runtime.clipping import clip_by_norm
 from ..runtime.p2p import PeerTimeout, wait_or_fail
 from ..validation import check_fraction, check_seconds
@@ -90,10 +92,8 @@ class WaveletEngine(DeepSpeedEngine):
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.own_steps = 0
         self.partner_starts: list = []            # starts of the partner's steps, from its messages
-        # the channel polls the store directly (a call through BoundedStore's helper thread costs two
-        # thread wake-ups, which a loaded host turns into milliseconds per poll); a store whose host
-        # froze (rank 0 stopped, under env://) is caught by the fault monitor, which ends the process
-        self.store = dist.PrefixStore("ds_chimera/wavelet/", dist.distributed_c10d._get_default_store().clone())
+        self.faults = faults.monitor(wavelet["timeout"])     # one task's failure ends every task, naming it
+        self.store = self._channel_store(wavelet["timeout"])
         if dist.get_rank() == 0:                  # step times travel as float32 seconds since this shared epoch
             self.store.set("epoch", repr(time.time()))
         self.epoch = float(self.store.get("epoch"))
@@ -104,10 +104,25 @@ class WaveletEngine(DeepSpeedEngine):
         self.work_times: list = []                # each step's duration from its start to its update
         self.last_wait = 0.0                      # seconds the last step waited to keep the offset
         self._step_open = False
-        self.faults = faults.monitor(wavelet["timeout"])     # one task's failure ends every task, naming it
         if dist.get_rank() == 0:
             log.info("wavelet: %d devices x 2 waves, offset %g cycle, one update per wave step (staleness 1)",
                      self.layout.world // 2, wavelet["offset"])
+
+    def _channel_store(self, timeout_s: float):
+        """The store the partner channel polls.
+
+        Direct calls, while the fault monitor runs: a call through BoundedStore's helper thread
+        costs two thread wake-ups, which a loaded host turns into milliseconds per poll, and a
+        store whose host froze (rank 0 stopped, under env://) is the monitor's to catch. Without
+        the monitor (DS_CHIMERA_FAULT_MONITOR=0) nothing would: torch's store calls to a frozen
+        host never return, whatever the store's timeout, so each call is bounded here instead.
+        """
+        store = dist.PrefixStore("ds_chimera/wavelet/", dist.distributed_c10d._get_default_store().clone())
+        if self.faults is not None:
+            return store
+        bounded = BoundedStore(store, deadline_s=timeout_s, name="wavelet-store")
+        atexit.register(bounded.close)      # before the interpreter finalizes (see BoundedStore.close)
+        return bounded
 
     @property
     def wave_name(self) -> str:
