@@ -12,7 +12,7 @@ chunk) carries a ballast parameter of ``--ballast-mib`` MiB. Every rank's share 
 F = I = W = 20 ms per micro-batch, plus what the ballast's gradient costs. For each row it
 prints the median step / ideal, the chunk all-gathers per step, and the simulator's
 prediction of the same program with costs measured in the run (the mean forward and
-backward of a chunk and the runtime's host time around each action, from a traced step;
+backward of a chunk and the runtime's host time around each action, from three traced steps;
 the host's time in the optimizer step, in each gradient-sync post, in each all-gather post
 and in the global norm's collective; and apart from the steps the all-gather of one chunk,
 the gradient reduce-scatter or all-reduce, the P2P latency to a waiting rank and the
@@ -23,6 +23,7 @@ them where it runs on gloo; the row says why where it does not.
 The last line is a JSON object with every row.
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -198,26 +199,34 @@ def traced_costs(engine, batches, trace_dir, send_s: float, steps: int = 3) -> t
     steps' actions (a makespan adds durations up, so the mean is what predicts it, the sleeps'
     overshoot included); and the runtime's host time around each action: the gaps between two
     consecutive actions with nothing between them that can wait (only sends, each ``send_s`` of
-    host time, taken off), less the action's wait for its chunk's gathered weights (the
-    simulator prices the gather). Returns (forward, backward, gaps)."""
-    from ds_chimera.schedules.actions import Action, CommBatch
+    host time, taken off), less what a sharded program's action does first, apart from the
+    per-action work: wait for its chunk's gathered weights (the simulator prices the gather) and,
+    before a gradient, make the chunk's gradient buffer (once per chunk and step). Returns
+    (forward, backward, gaps)."""
+    from ds_chimera.schedules.actions import GRADIENT_KINDS, Action, CommBatch, Gather
     ops = engine.plan.program.ops[engine.pipe_rank]
-    actions = sum(1 for op in ops if type(op) is Action)
+    actions = [op for op in ops if type(op) is Action]
+    sharded = any(type(op) is Gather for op in ops)
     fwds, bwds, gaps = [], [], []
     os.makedirs(trace_dir, exist_ok=True)
-    own = engine.host.__dict__.get("wait_weights")      # an instance attribute already, or the class's
     for _ in range(steps):
-        waits = timed(engine.host, "wait_weights")     # sharded: one call before each action
-        engine.plan.trace_dir = trace_dir
-        try:
-            engine.train_batch(iter(batches))
-        finally:
-            engine.plan.trace_dir = None
-            if own is None:
-                del engine.host.wait_weights
-            else:
-                engine.host.wait_weights = own
-        waits = waits if len(waits) == actions else [0.0] * actions
+        with timed_calls(engine.host, ("wait_weights", "prepare_grads")) as spent:
+            engine.plan.trace_dir = trace_dir
+            try:
+                engine.train_batch(iter(batches))
+            finally:
+                engine.plan.trace_dir = None
+        # the executor calls wait_weights before every action and prepare_grads before every
+        # gradient action of a sharded program: each action's own share
+        before = [0.0] * len(actions)
+        if sharded:
+            waits, preps = iter(spent["wait_weights"]), iter(spent["prepare_grads"])
+            try:
+                before = [next(waits) + (next(preps) if action.kind in GRADIENT_KINDS else 0.0)
+                          for action in actions]
+            except StopIteration:
+                raise RuntimeError("the executor's calls before each action no longer match the program's "
+                                   "actions: traced_costs must follow executor.StepRun._action") from None
         records = engine.executor.records
         fwds += [end - start for _, kind, _, _, start, end in records if kind == "F"]
         bwds += [end - start for _, kind, _, _, start, end in records if kind == "B"]
@@ -228,10 +237,26 @@ def traced_costs(engine, batches, trace_dir, send_s: float, steps: int = 3) -> t
                 continue
             if done >= 0 and all(type(o) is CommBatch and not o.recvs for o in between):
                 sends = sum(len(o.sends) for o in between)
-                gaps.append(records[done + 1][4] - records[done][5] - sends * send_s - waits[done + 1])
+                gaps.append(records[done + 1][4] - records[done][5] - sends * send_s - before[done + 1])
             done, between = done + 1, []
     size = engine.placement.size
     return statistics.mean(fwds) / size, statistics.mean(bwds) / size, gaps
+
+
+@contextlib.contextmanager
+def timed_calls(owner, names):
+    """Time each call of ``owner``'s methods ``names`` within the block: {name: [seconds, ...]}.
+    The methods are the owner's own again afterwards."""
+    own = {name: owner.__dict__.get(name) for name in names}     # an instance attribute already, or None
+    spent = {name: timed(owner, name) for name in names}
+    try:
+        yield spent
+    finally:
+        for name, previous in own.items():
+            if previous is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, previous)
 
 
 def collective_buffers(dist, torch, group, numel) -> tuple:

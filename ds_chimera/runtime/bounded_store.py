@@ -59,15 +59,18 @@ class BoundedStore:
             call.run()
 
     def close(self) -> None:
-        """End the helper thread, waiting at most the deadline for a call under way.
+        """End the helper thread, waiting for a call under way at most what is left of its deadline.
 
         At a normal exit this must happen before the interpreter finalizes: a daemon thread
         that comes back from a store call then is ended by Python inside torch's C++ frames,
-        which aborts the process ("terminate called without an active exception")."""
+        which aborts the process ("terminate called without an active exception"). A call
+        already past its deadline is not waited for: its host stopped, it may never return."""
         self._requests.put(None)
         pending = self._pending
-        if pending is not None and not pending.finished.is_set():
-            return          # a call that outlived its deadline holds the helper: it may never return
+        if pending is not None:
+            left = self._pending_since + self.deadline_s - time.monotonic()
+            if not pending.finished.wait(max(0.0, left)):
+                return
         if self._helper is not threading.current_thread():
             self._helper.join(self.deadline_s)
 

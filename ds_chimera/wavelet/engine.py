@@ -96,9 +96,10 @@ class WaveletEngine(DeepSpeedEngine):
         self.store = self._channel_store(wavelet["timeout"])
         if dist.get_rank() == 0:                  # step times travel as float32 seconds since this shared epoch
             self.store.set("epoch", repr(time.time()))
-        self.epoch = float(self.store.get("epoch"))
         numel = sum(p.numel() for p in self.params)
         self.channel = PairChannel(self.store, self.layout.rank, self.layout.partner, numel + 3, wavelet["timeout"])
+        self.channel.wait_for(lambda: self.store.check(["epoch"]), "task 0's epoch")   # a bounded get needs it set
+        self.epoch = float(self.store.get("epoch"))
         self._same_start()
         self.step_starts: list = []               # wall-clock start of each step (first forward after a step)
         self.work_times: list = []                # each step's duration from its start to its update

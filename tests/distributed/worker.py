@@ -783,9 +783,10 @@ def main():
     deepspeed.init_distributed(dist_backend=os.environ.get("DS_CHIMERA_TEST_BACKEND", "gloo"))
     run_scenarios(SCENARIOS, sys.argv[1], sys.argv[2].split(","))
     tdist.barrier()
-    # A normal exit, teardown included: the library destroys the process groups and stops the
-    # fault monitor's threads at exit (runtime/teardown.py), which ended the aborts this process
-    # once had in the interpreter's teardown ("terminate called without an active exception").
+    # A normal exit, teardown included: the library destroys the process groups at exit
+    # (runtime/teardown.py) and stops the fault monitor's threads (FaultMonitor.close), which ended
+    # the aborts this process once had in the interpreter's teardown ("terminate called without an
+    # active exception").
 
 
 if __name__ == "__main__":
