@@ -203,7 +203,8 @@ def traced_costs(engine, batches, trace_dir, send_s: float, steps: int = 3) -> t
     per-action work: wait for its chunk's gathered weights (the simulator prices the gather) and,
     before a gradient, make the chunk's gradient buffer (once per chunk and step). Returns
     (forward, backward, gaps)."""
-    from ds_chimera.schedules.actions import GRADIENT_KINDS, Action, CommBatch, Gather
+    from ds_chimera.schedules.actions import GRADIENT_KINDS, Action, Gather
+    from ds_chimera.sim.trace import free_gaps
     ops = engine.plan.program.ops[engine.pipe_rank]
     actions = [op for op in ops if type(op) is Action]
     sharded = any(type(op) is Gather for op in ops)
@@ -230,15 +231,7 @@ def traced_costs(engine, batches, trace_dir, send_s: float, steps: int = 3) -> t
         records = engine.executor.records
         fwds += [end - start for _, kind, _, _, start, end in records if kind == "F"]
         bwds += [end - start for _, kind, _, _, start, end in records if kind == "B"]
-        done, between = -1, []
-        for op in ops:
-            if type(op) is not Action:
-                between.append(op)
-                continue
-            if done >= 0 and all(type(o) is CommBatch and not o.recvs for o in between):
-                sends = sum(len(o.sends) for o in between)
-                gaps.append(records[done + 1][4] - records[done][5] - sends * send_s - before[done + 1])
-            done, between = done + 1, []
+        gaps += [gap - sends * send_s - before[index] for index, gap, sends in free_gaps(ops, records)]
     size = engine.placement.size
     return statistics.mean(fwds) / size, statistics.mean(bwds) / size, gaps
 

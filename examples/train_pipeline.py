@@ -86,6 +86,7 @@ def plot_last_step(engine, trace_dir, out_dir):
     """Gantt of the measured last step (all ranks' traces) next to the simulator's prediction."""
     from ds_chimera.sim import Costs, simulate
     from ds_chimera.sim.plot import plot_gantt
+    from ds_chimera.sim.trace import free_gaps
     last = sorted(glob.glob(os.path.join(trace_dir, "step*-rank000.json")))[-1]
     prefix = os.path.basename(last).split("-rank")[0]
     records = []
@@ -106,7 +107,8 @@ def plot_last_step(engine, trace_dir, out_dir):
                     bwd=sum(bwd) / len(bwd) / engine.placement.size, wgrad=0.0)
     # the runtime's host time per action (its sends included): the gaps between two consecutive
     # actions of a rank with nothing between them that waits
-    host = host_gaps(engine.plan.program, records)
+    host = [gap for rank, ops in enumerate(engine.plan.program.ops)
+            for _, gap, _ in free_gaps(ops, sorted((r for r in records if r[0] == rank), key=lambda r: r[4]))]
     costs = Costs(fwd=compute.fwd, bwd=compute.bwd, wgrad=0.0, dispatch=sorted(host)[len(host) // 2] if host else 0.0)
     sim = simulate(engine.plan.program, costs)
     predicted = os.path.join(out_dir, f"{name}_simulated.png")
@@ -120,23 +122,6 @@ def plot_last_step(engine, trace_dir, out_dir):
              f"time slow each other, which the simulator (one device per rank) leaves out; benchmarks/ checks "
              f"its predictions on timed layers. " if cores < engine.placement.num_ranks else "")
           + f"Gantt charts: {measured}, {predicted}", flush=True)
-
-
-def host_gaps(program, records) -> list:
-    """Gaps (ms) between consecutive actions of a rank whose program has only sends between them."""
-    from ds_chimera.schedules.actions import Action, CommBatch
-    gaps = []
-    for rank, ops in enumerate(program.ops):
-        mine = sorted((r for r in records if r[0] == rank), key=lambda r: r[4])
-        done, between = -1, []
-        for op in ops:
-            if type(op) is not Action:
-                between.append(op)
-                continue
-            if 0 <= done < len(mine) - 1 and all(type(o) is CommBatch and not o.recvs for o in between):
-                gaps.append(mine[done + 1][4] - mine[done][5])
-            done, between = done + 1, []
-    return gaps
 
 
 if __name__ == "__main__":

@@ -32,9 +32,10 @@ def compute_timing(placement: Placement, orders: list, costs, want_starts: bool 
     Used where many candidate orders are compared (Chimera's ``auto``, the pieces of ``merged``):
     it skips lowering and validation, so it is several times faster. It models per-message
     latency (``costs.comm``) and the runtime's ``dispatch`` per action, but not the hosts'
-    per-message ``send``/``recv`` time (that depends on how lowering batches messages). With ``syncs`` it also models the gradient
-    syncs a synchronous program posts (where lowering puts them, each costing its rank
-    ``sync_post``, done ``allreduce`` after the group's last post). Tests hold it equal to
+    per-message ``send``/``recv`` time (that depends on how lowering batches messages). With
+    ``syncs`` it also models the gradient syncs a synchronous program posts (where lowering
+    puts them, each costing its rank ``sync_post``, done ``allreduce`` after the group's last
+    post). Tests hold it equal to
     the simulator's makespan when ``send`` and ``recv`` are zero. Raises RuntimeError if the
     orders cannot complete. ``durations`` maps ``(kind, chunk, mb)`` to that action's own
     time, in place of ``costs``' per-kind figure: a measured step replayed on its own op times.

@@ -39,13 +39,13 @@ class PairChannel:
         self.capacity, self.timeout_s = capacity, timeout_s
         if rank == 0:
             store.set("wavelet/job", uuid.uuid4().hex)
-        self.wait_for(lambda: store.check(["wavelet/job"]), "task 0's channel id")   # a bounded get needs it set
+        self._wait_for(lambda: store.check(["wavelet/job"]), "task 0's channel id")   # a bounded get needs it set
         job = store.get("wavelet/job").decode()
         self.out_path = os.path.join(_folder(), f"ds_chimera_wavelet_{job}_{rank}_to_{partner}")
         in_path = os.path.join(_folder(), f"ds_chimera_wavelet_{job}_{partner}_to_{rank}")
         self.outbox = torch.from_file(self.out_path, shared=True, size=capacity + 1, dtype=torch.float32)
         store.set(f"wavelet/ready/{rank}", "1")
-        self.wait_for(lambda: store.check([f"wavelet/ready/{partner}"]), f"task {partner}'s channel")
+        self._wait_for(lambda: store.check([f"wavelet/ready/{partner}"]), f"task {partner}'s channel")
         self.inbox = torch.from_file(in_path, shared=True, size=capacity + 1, dtype=torch.float32)
         os.unlink(in_path)                 # both mapped: the name is no longer needed (the partner unlinks ours)
         self.sent = self.received = 0
@@ -56,7 +56,7 @@ class PairChannel:
     def _count(self, key: str) -> int:
         return int(self.store.add(key, 0))
 
-    def wait_for(self, ready, what: str) -> None:
+    def _wait_for(self, ready, what: str) -> None:
         """Poll ``ready()`` until it holds; a PeerTimeout naming ``what`` after the channel's timeout."""
         start = time.monotonic()
         while not ready():
@@ -70,7 +70,7 @@ class PairChannel:
         if payload.numel() > self.capacity:
             raise ValueError(f"wavelet channel: a message of {payload.numel()} floats, capacity {self.capacity}")
         read_key = self._key("read", self.rank, self.partner)
-        self.wait_for(lambda: self._count(read_key) >= self.sent, f"task {self.partner}'s read of {what}")
+        self._wait_for(lambda: self._count(read_key) >= self.sent, f"task {self.partner}'s read of {what}")
         self.outbox[0] = payload.numel()
         self.outbox[1:1 + payload.numel()].copy_(payload.detach().reshape(-1).to("cpu", torch.float32))
         self.sent += 1
@@ -79,7 +79,7 @@ class PairChannel:
     def recv(self, numel: int, device, what: str) -> torch.Tensor:
         """The partner's next message (``numel`` floats) on ``device``."""
         sent_key = self._key("sent", self.partner, self.rank)
-        self.wait_for(lambda: self._count(sent_key) > self.received, what)
+        self._wait_for(lambda: self._count(sent_key) > self.received, what)
         if int(self.inbox[0]) != numel:
             raise RuntimeError(f"wavelet channel: expected {numel} floats from task {self.partner}, got "
                                f"{int(self.inbox[0])}")
@@ -91,7 +91,7 @@ class PairChannel:
     def flush(self, what: str) -> None:
         """Wait until the partner has read every message sent so far."""
         read_key = self._key("read", self.rank, self.partner)
-        self.wait_for(lambda: self._count(read_key) >= self.sent, what)
+        self._wait_for(lambda: self._count(read_key) >= self.sent, what)
 
     def close(self) -> None:
         if os.path.exists(self.out_path):

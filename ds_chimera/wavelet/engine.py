@@ -98,8 +98,7 @@ class WaveletEngine(DeepSpeedEngine):
             self.store.set("epoch", repr(time.time()))
         numel = sum(p.numel() for p in self.params)
         self.channel = PairChannel(self.store, self.layout.rank, self.layout.partner, numel + 3, wavelet["timeout"])
-        self.channel.wait_for(lambda: self.store.check(["epoch"]), "task 0's epoch")   # a bounded get needs it set
-        self.epoch = float(self.store.get("epoch"))
+        self.epoch = float(self.store.get("epoch"))   # set: rank 0 sets it before the channel's id, awaited above
         self._same_start()
         self.step_starts: list = []               # wall-clock start of each step (first forward after a step)
         self.work_times: list = []                # each step's duration from its start to its update
