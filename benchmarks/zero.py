@@ -129,30 +129,36 @@ def worker(args):
         for schedule, zero in ROWS:
             engine = engine_for(schedule, zero, n)
             batches = data(n)
-            engines.append((schedule, zero, engine, {name: timed(owner, name) for owner, name in (
+            posts = []      # when each all-gather was posted: the data-parallel peers' skew
+            spent = {name: timed(owner, name) for owner, name in (
                 (engine.optimizer, "step"), (engine.host, "start_grad_sync"), (engine.host, "clip_gradients"),
-                (engine.host, "gather_weights"), (engine.executor, "run"))}))
+                (engine.executor, "run"))}
+            spent["gather_weights"] = timed(engine.host, "gather_weights", posts)
+            engines.append((schedule, zero, engine, spent, posts))
             steps.append(lambda e=engine, b=batches: e.train_batch(iter(b)))
         times = median_steps_in_turn(dist, steps, args.repeats)
-        for (schedule, zero, engine, spent), step_s in zip(engines, times):
+        for (schedule, zero, engine, spent, posts), step_s in zip(engines, times):
             ideal = n * 3 * cost_s
             program = engine.plan.program
             # the first step (the warm-up round: allocations, the optimizer state's creation) left out
-            median = {name: statistics.median(values[len(values) // (args.repeats + 1):]) if values else 0.0
-                      for name, values in spent.items()}
+            timed_steps = {name: values[len(values) // (args.repeats + 1):] for name, values in spent.items()}
+            median = {name: statistics.median(values) if values else 0.0 for name, values in timed_steps.items()}
+            # host work the step adds up: its mean, this host's stalls included
+            mean = {name: statistics.mean(values) if values else 0.0 for name, values in timed_steps.items()}
             # the global norm's own time: the last rank to arrive waits for nobody
             clip_s = reduced(dist, torch, median["clip_gradients"], dist.ReduceOp.MIN)
+            skew_s = post_skew(dist, posts[len(posts) // (args.repeats + 1):], dp_group)
             program_s = reduced(dist, torch, median["run"], dist.ReduceOp.MAX)
             fwd, bwd, gaps = traced_costs(engine, data(n), trace_dir, send_s)   # one chunk's, in stage units
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, gaps)         # some ranks have no such pair (a gather between)
             every = [gap for mine in every for gap in mine]
-            dispatch = statistics.median(every) if every else 0.0
+            dispatch = statistics.mean(every) if every else 0.0
             costs = Costs(fwd=fwd, bwd=bwd, wgrad=bwd / 2, gather=gather_s * CHUNKS,
-                          gather_post=median["gather_weights"],
+                          gather_post=mean["gather_weights"], gather_skew=skew_s,
                           allreduce=(scatter_after[n] if zero >= 2 else allreduce_s), comm=waiting_s, send=send_s,
-                          recv=recv_s, sync_post=median["start_grad_sync"], clip=clip_s,
-                          step=median["step"] / engine.placement.size / CHUNKS, dispatch=max(dispatch, 0.0))
+                          recv=recv_s, sync_post=mean["start_grad_sync"], clip=clip_s,
+                          step=mean["step"] / engine.placement.size / CHUNKS, dispatch=max(dispatch, 0.0))
             sim = simulate(program, costs, data_parallel=dp)
             row = {"schedule": schedule, "zero": zero, "N": n, "step_s": step_s, "vs_ideal": step_s / ideal,
                    "gathers": gathers_per_rank(program)[engine.pipe_rank] if zero >= 2 else 0,
@@ -164,7 +170,8 @@ def worker(args):
                 print(f"  zero N={n} {schedule} ZeRO-{zero}: {row['vs_ideal']:.3f} x ideal, {row['gathers']} gathers/step, "
                       f"measured/simulated: step {row['measured_vs_sim']:.3f}, program {row['program_vs_sim']:.3f} "
                       f"(the engine around the program {row['around_program_s'] * 1e3:.1f} ms; host time per action "
-                      f"{costs.dispatch * 1e3:.2f} ms, per gather post {costs.gather_post * 1e3:.2f} ms)", flush=True)
+                      f"{costs.dispatch * 1e3:.2f} ms, per gather post {costs.gather_post * 1e3:.2f} ms, peers' post skew "
+                      f"{costs.gather_skew * 1e3:.2f} ms)", flush=True)
         rows.append(fsdp_looped_bfs(torch, dist, rank, n, specs, stages, dp, data, args.repeats, cost_s))
         del engines, steps
         release_groups(dist, keep)
@@ -173,18 +180,36 @@ def worker(args):
     save_rows(dist, rows, args.out)
 
 
-def timed(owner, name: str) -> list:
+def timed(owner, name: str, starts: list | None = None) -> list:
     """Wrap ``owner.name`` (the optimizer's step, the host's gradient-sync post and clip, the executor's
-    run of the program) to record how long each call takes on the host (seconds)."""
+    run of the program) to record how long each call takes on the host (seconds), and when each
+    began in ``starts`` if given."""
     times, call = [], getattr(owner, name)
 
     def timed_call(*args, **kwargs):
         start = time.perf_counter()
         out = call(*args, **kwargs)
         times.append(time.perf_counter() - start)
+        if starts is not None:
+            starts.append(start)
         return out
     setattr(owner, name, timed_call)
     return times
+
+
+def post_skew(dist, posts: list, dp_group) -> float:
+    """Mean over every rank's all-gather posts of the time to the later data-parallel peer's post of
+    the same gather (the members run one program, so each one's k-th post is the same chunk's).
+    ``perf_counter`` reads CLOCK_MONOTONIC, one clock for every process on this host."""
+    peers = [None] * dist.get_world_size(dp_group)
+    dist.all_gather_object(peers, posts, group=dp_group)
+    if len({len(p) for p in peers}) != 1:
+        raise RuntimeError(f"data-parallel peers posted different numbers of gathers: {[len(p) for p in peers]}")
+    waits = [max(p[k] for p in peers) - mine for k, mine in enumerate(posts)]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, waits)
+    every = [wait for mine in every for wait in mine]
+    return statistics.mean(every) if every else 0.0
 
 
 def reduced(dist, torch, value: float, op) -> float:
@@ -197,13 +222,12 @@ def reduced(dist, torch, value: float, op) -> float:
 def traced_costs(engine, batches, trace_dir, send_s: float, steps: int = 3) -> tuple:
     """(forward, backward) of one chunk per micro-batch, in stage units: means over ``steps`` traced
     steps' actions (a makespan adds durations up, so the mean is what predicts it, the sleeps'
-    overshoot included); and the runtime's host time around each action: the gaps between two
-    consecutive actions with nothing between them that can wait (only sends, each ``send_s`` of
-    host time, taken off), less what a sharded program's action does first, apart from the
-    per-action work: wait for its chunk's gathered weights (the simulator prices the gather) and,
-    before a gradient, make the chunk's gradient buffer (once per chunk and step). Returns
-    (forward, backward, gaps)."""
-    from ds_chimera.schedules.actions import GRADIENT_KINDS, Action, Gather
+    overshoot and a sharded chunk's gradient buffer, made at its first backward of a step,
+    included); and the runtime's host time around each action: the gaps between two consecutive
+    actions with nothing between them that can wait (only sends, each ``send_s`` of host time,
+    taken off), less a sharded action's wait for its chunk's gathered weights (the simulator
+    prices the gather). Returns (forward, backward, gaps)."""
+    from ds_chimera.schedules.actions import Action, Gather
     from ds_chimera.sim.trace import free_gaps
     ops = engine.plan.program.ops[engine.pipe_rank]
     actions = [op for op in ops if type(op) is Action]
@@ -211,23 +235,17 @@ def traced_costs(engine, batches, trace_dir, send_s: float, steps: int = 3) -> t
     fwds, bwds, gaps = [], [], []
     os.makedirs(trace_dir, exist_ok=True)
     for _ in range(steps):
-        with timed_calls(engine.host, ("wait_weights", "prepare_grads")) as spent:
+        with timed_calls(engine.host, ("wait_weights",)) as spent:
             engine.plan.trace_dir = trace_dir
             try:
                 engine.train_batch(iter(batches))
             finally:
                 engine.plan.trace_dir = None
-        # the executor calls wait_weights before every action and prepare_grads before every
-        # gradient action of a sharded program: each action's own share
-        before = [0.0] * len(actions)
-        if sharded:
-            waits, preps = iter(spent["wait_weights"]), iter(spent["prepare_grads"])
-            try:
-                before = [next(waits) + (next(preps) if action.kind in GRADIENT_KINDS else 0.0)
-                          for action in actions]
-            except StopIteration:
-                raise RuntimeError("the executor's calls before each action no longer match the program's "
-                                   "actions: traced_costs must follow executor.StepRun._action") from None
+        # the executor waits for the chunk's weights before every action of a sharded program
+        before = spent["wait_weights"] if sharded else [0.0] * len(actions)
+        if len(before) != len(actions):
+            raise RuntimeError("the executor's weight waits no longer match the program's actions: "
+                               "traced_costs must follow executor.StepRun._action")
         records = engine.executor.records
         fwds += [end - start for _, kind, _, _, start, end in records if kind == "F"]
         bwds += [end - start for _, kind, _, _, start, end in records if kind == "B"]

@@ -51,6 +51,8 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="ZeRO-2/3: time to all-gather one stage's worth of sharded weights")
     p.add_argument("--cost-gather-post", type=float, default=0.0,
                    help="ZeRO-2/3: a rank's own time to post one chunk's all-gather")
+    p.add_argument("--cost-gather-skew", type=float, default=0.0,
+                   help="ZeRO-2/3: mean time from a rank's gather post to the later data-parallel peer's post")
     p.add_argument("--cost-step", type=float, default=0.0, help="optimizer step of one stage's worth of weights")
     p.add_argument("--cost-clip", type=float, default=0.0,
                    help="the global gradient norm's collective, from the last rank's arrival")

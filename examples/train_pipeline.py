@@ -106,10 +106,10 @@ def plot_last_step(engine, trace_dir, out_dir):
     compute = Costs(fwd=sum(fwd) / len(fwd) / engine.placement.size,
                     bwd=sum(bwd) / len(bwd) / engine.placement.size, wgrad=0.0)
     # the runtime's host time per action (its sends included): the gaps between two consecutive
-    # actions of a rank with nothing between them that waits
+    # actions of a rank with nothing between them that waits; their mean, as the step adds them up
     host = [gap for rank, ops in enumerate(engine.plan.program.ops)
             for _, gap, _ in free_gaps(ops, sorted((r for r in records if r[0] == rank), key=lambda r: r[4]))]
-    costs = Costs(fwd=compute.fwd, bwd=compute.bwd, wgrad=0.0, dispatch=sorted(host)[len(host) // 2] if host else 0.0)
+    costs = Costs(fwd=compute.fwd, bwd=compute.bwd, wgrad=0.0, dispatch=sum(host) / len(host) if host else 0.0)
     sim = simulate(engine.plan.program, costs)
     predicted = os.path.join(out_dir, f"{name}_simulated.png")
     plot_gantt(sim.records, engine.placement, predicted, title=f"{name}: simulated with the measured mean costs (ms)")

@@ -4,6 +4,8 @@ The DeepSpeed engine posts the loss all-reduce from that callback, so the rendez
 during the program's tail instead of after it. One rank (D = 1) runs the real executor on a
 stub context: no messages, only the order of events, the step's tail included.
 """
+import time
+
 import torch
 from torch import nn
 
@@ -124,3 +126,49 @@ def test_every_host_implements_the_execution_context():
     for host in (PipelineHost, AsyncPipelineHost, MegatronHost, LocalHost):
         missing = {name for name in wanted if not callable(getattr(host, name, None))}
         assert not missing, (host.__name__, missing)
+
+
+class _ShardedCtx(_Ctx):
+    """A sharded program's host: records when it waits for weights and makes gradient buffers."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.calls = []
+
+    def gather_weights(self, chunk):
+        pass
+
+    def release_weights(self, chunk):
+        pass
+
+    def wait_weights(self, chunk):
+        self.calls.append(("wait", chunk, time.perf_counter()))
+
+    def prepare_grads(self, chunk):
+        self.calls.append(("grads", chunk, time.perf_counter()))
+
+
+def test_a_traced_action_spans_its_gradient_buffer_but_not_its_weight_wait():
+    """The simulator prices a chunk's weight gather apart (the wait is outside the action's traced
+    span) while its gradient buffer is backward work, as autograd's .grad allocation is unsharded
+    (inside the span): benchmarks read action costs from these spans."""
+    from ds_chimera.schedules.sharding import shard
+    torch.manual_seed(0)
+    schedule = build("1f1b", 1, 3)
+    ops = shard(lower(schedule.name, schedule.placement, schedule.orders), 3).ops[0]
+    batches = {mb: (torch.randn(2, 3), torch.randn(2, 1)) for mb in range(3)}
+    ctx = _ShardedCtx(schedule, [], batches)
+    step = StepExecutor(ctx).start(ops, train=True, scale=1 / 3, trace=True)
+    for op in ops:
+        step.execute(op)
+    step.finish()
+    t0 = step.trace.clock.t0
+    records = [(kind, start + t0, end + t0) for _, kind, _, _, start, end in step.executor.records]
+    actions = [record for record in records if record[0] in "FB"]
+    waits = [t for what, _, t in ctx.calls if what == "wait"]
+    grads = [t for what, _, t in ctx.calls if what == "grads"]
+    assert len(waits) == len(actions) == 6 and len(grads) == 3      # one per action, one per backward
+    for (kind, start, end), waited in zip(actions, waits):
+        assert waited < start, kind
+    for (kind, start, end), made in zip([a for a in actions if a[0] == "B"], grads):
+        assert start <= made <= end

@@ -349,6 +349,13 @@ def test_gathers_the_step_and_the_clip_cost_time_in_the_simulation():
     assert simulate(shard(program, 3), Costs(gather=0.75)).makespan == pytest.approx(plain + 0.75)
     # posting a gather holds the rank: 1f1b at ZeRO-3 gathers its one chunk once, at the start
     assert simulate(shard(program, 3), Costs(gather_post=0.125)).makespan == pytest.approx(plain + 0.125)
+    # the gather ends after the later data-parallel peer's post: the skew delays it like a longer gather
+    assert simulate(shard(program, 3), Costs(gather_skew=0.25)).makespan == pytest.approx(plain + 0.25)
+    # ... and hides, like the gather, behind compute that does not need the weights yet: interleaved
+    # ZeRO-3 gathers 11 times on rank 0, yet a small skew delays only the step's first gather
+    looped = shard(build("interleaved", 2, 4, chunks=2).lower(), 3)
+    base = simulate(looped).makespan
+    assert simulate(looped, Costs(gather_skew=0.25)).makespan == pytest.approx(base + 0.25)
 
 
 def test_the_runtimes_host_time_per_action_is_paid_before_each_compute():

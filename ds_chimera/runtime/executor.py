@@ -131,12 +131,14 @@ class StepRun:
     def _action(self, op) -> None:
         global current_action
         current_action = op
-        if self.sharded:
-            self.ctx.wait_weights(op[1])
-            if op[0] in GRADIENT_KINDS:
-                self.ctx.prepare_grads(op[1])
         trace = self.trace
+        if self.sharded:
+            self.ctx.wait_weights(op[1])        # a wait, not the action's work: outside its traced span
         start = trace.clock.mark() if trace is not None else None
+        if self.sharded and op[0] in GRADIENT_KINDS:
+            # the chunk's gradient buffer (once a step): part of the backward's work, as autograd's
+            # own .grad allocation is in an unsharded run
+            self.ctx.prepare_grads(op[1])
         kind = op[0]
         if kind == FORWARD:
             self._forward(op)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
 
 COST_NAMES = ("fwd", "bwd", "wgrad", "comm", "allreduce", "send", "recv", "sync_post", "gather", "gather_post",
-              "step", "clip", "dispatch")
+              "gather_skew", "step", "clip", "dispatch")
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,11 @@ class Costs:
     ``sync_post`` its own time to post one gradient sync (gather the stage's gradients,
     post the all-reduce): the rank computes nothing meanwhile. ``gather`` is the time to
     all-gather one stage's worth of sharded weights (ZeRO-2/3; a chunk pays it times its
-    size) and ``gather_post`` the rank's own time to post one; under sharding ``allreduce``
-    prices the gradients' reduce-scatter. ``dispatch`` is the runtime's host time around each
+    size) and ``gather_post`` the rank's own time to post one. A gather ends only once every
+    data-parallel member has posted it, and members drift apart between syncs (host stalls the
+    lockstep copies of the program do not have): ``gather_skew`` is the mean time from a
+    rank's post to the later of its peers' posts. Under sharding ``allreduce`` prices the
+    gradients' reduce-scatter. ``dispatch`` is the runtime's host time around each
     compute action beyond the op itself (its bookkeeping, the weights' and gradient buffers'
     readiness checks): like ``send``, nothing next to a GPU kernel, a visible share on CPU
     ranks, and it adds up over the many actions of a looped schedule. ``step`` is the
@@ -47,6 +50,7 @@ class Costs:
     sync_post: float = 0.0
     gather: float = 0.0
     gather_post: float = 0.0
+    gather_skew: float = 0.0
     step: float = 0.0
     clip: float = 0.0
     dispatch: float = 0.0

@@ -327,7 +327,8 @@ def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: 
                     error(f"rank {r}: gathers chunk {op.chunk} while its weights are already gathered")
                 else:
                     t += costs.gather_post
-                    resident[r][op.chunk] = t + costs.gather * size     # posted: it overlaps what follows
+                    # posted: it overlaps what follows, and ends ``gather`` after the later peer's post
+                    resident[r][op.chunk] = t + costs.gather_skew + costs.gather * size
                     gathers[r] += 1
                     gathered_peak[r] = max(gathered_peak[r], len(resident[r]) * size)
             elif type(op) is Release:
