@@ -45,6 +45,7 @@ class Launch:
     attrs: tuple                   # ((path, attributes), ...)
     num_warps: int
     num_stages: int
+    fp_fusion: bool | None          # what the launch asked for (None: Triton's default)
     fn: object = field(compare=False, hash=False, repr=False)
     raw_constants: tuple = field(compare=False, hash=False, repr=False, default=())   # as Triton gave them
 
@@ -94,7 +95,8 @@ def _recording(store: dict):
                         signature=tuple(compile["signature"].items()),
                         constants=tuple((k, _value(v)) for k, v in compile["constants"].items()),
                         attrs=tuple((k, json.dumps(v)) for k, v in compile["configs"][0].items()),
-                        num_warps=options["num_warps"], num_stages=options["num_stages"], fn=jit,
+                        num_warps=options["num_warps"], num_stages=options["num_stages"],
+                        fp_fusion=options.get("enable_fp_fusion"), fn=jit,
                         raw_constants=tuple(compile["constants"].items()))
         store.setdefault(launch, launch)
         return True                                     # skip the compile and the launch
@@ -270,7 +272,10 @@ def _source(launch: Launch):
 
 
 def _options(launch: Launch) -> dict:
-    return {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    if launch.fp_fusion is not None:
+        options["enable_fp_fusion"] = launch.fp_fusion
+    return options
 
 
 def _backend():

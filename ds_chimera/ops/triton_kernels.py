@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import triton_window
-from .triton_window import dense
+from .triton_window import LAUNCH_OPTIONS, dense
 
 SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TAP_TILE = 4096          # taps x steps held by one weight-gradient program of the tap loop
@@ -181,7 +181,7 @@ def _tap_lightconv_forward(x, w, padding_l):
     block = _block_t(time)
     _lightconv_fwd[(batch * channels, triton.cdiv(time, block))](
         x, w, y, channels, time, kernel, padding_l, channels // heads, *x.stride(), BLOCK_T=block,
-        ACC=_acc(x.dtype))
+        ACC=_acc(x.dtype), **LAUNCH_OPTIONS)
     return y
 
 
@@ -195,7 +195,7 @@ def _tap_lightconv_backward_weight(grad, x, padding_l, heads, kernel):
     part = torch.empty(batch * channels, n_tb, n_kb * taps, device=x.device, dtype=acc)
     _lightconv_wgrad_partial[(batch * channels, n_tb, n_kb)](
         grad, x, part, channels, time, kernel, padding_l, *x.stride(), n_tb, n_kb * taps, KB=taps, BLOCK_T=block,
-        ACC=_acc(x.dtype))
+        ACC=_acc(x.dtype), **LAUNCH_OPTIONS)
     gw = part.view(batch, heads, channels // heads, n_tb, n_kb * taps).sum(dim=(0, 2, 3))[:, :kernel]
     return gw.to(x.dtype)
 
@@ -208,7 +208,7 @@ def _tap_dynamicconv_forward(x, w, padding_l):
     block = _block_t(time)
     _dynamicconv_fwd[(batch * channels, triton.cdiv(time, block))](
         x, w, y, channels, time, kernel, padding_l, channels // heads, heads, *x.stride(), *w.stride(),
-        BLOCK_T=block, ACC=_acc(x.dtype))
+        BLOCK_T=block, ACC=_acc(x.dtype), **LAUNCH_OPTIONS)
     return y
 
 
@@ -220,7 +220,7 @@ def _tap_dynamicconv_backward_input(grad, w, padding_l):
     block = _block_t(time)
     _dynamicconv_bwd_input[(batch * channels, triton.cdiv(time, block))](
         grad, w, gx, channels, time, kernel, padding_l, channels // heads, heads, *grad.stride(), *w.stride(),
-        BLOCK_T=block, ACC=_acc(grad.dtype))
+        BLOCK_T=block, ACC=_acc(grad.dtype), **LAUNCH_OPTIONS)
     return gx
 
 
@@ -234,7 +234,7 @@ def _tap_dynamicconv_backward_weight(grad, x, padding_l, heads, kernel, like=Non
         torch.empty(batch, heads, kernel, time, device=x.device, dtype=x.dtype)
     _dynamicconv_bwd_weight[(batch * heads, triton.cdiv(time, block), triton.cdiv(kernel, taps))](
         grad, x, gw, channels, time, kernel, padding_l, channels // heads, heads, *x.stride(), *gw.stride(),
-        KB=taps, BLOCK_T=block, ACC=_acc(x.dtype))
+        KB=taps, BLOCK_T=block, ACC=_acc(x.dtype), **LAUNCH_OPTIONS)
     return gw
 
 
@@ -336,7 +336,7 @@ def _step(buffer, x, weight, position, dynamic):
     block = min(1024, max(16, triton.next_power_of_2(channels)))
     _conv_step[(batch, triton.cdiv(channels, block))](buffer, x, weight, y, batch, channels, kernel,
                                                      channels // heads, heads, position, DYNAMIC=dynamic,
-                                                     BLOCK_C=block, ACC=_acc(x.dtype))
+                                                     BLOCK_C=block, ACC=_acc(x.dtype), **LAUNCH_OPTIONS)
     return y
 
 
