@@ -32,6 +32,7 @@ import triton.language as tl
 # 3.10 will not, and the kernels' measured error bounds and speed are with fusion.
 LAUNCH_OPTIONS = {"enable_fp_fusion": True}
 
+
 @triton.jit
 def _band_from_tile(wt, idx, KP: tl.constexpr, ON_ROWS: tl.constexpr):
     """band[i, j] = wt[idx[i, j], j] (ON_ROWS) or wt[i, idx[i, j]], zero where idx is outside [0, K)."""
@@ -496,7 +497,8 @@ def window_forward(x, w, padding_l, dynamic, tiles=None, num_warps=4, width=None
     (_win_forward_sliding if sliding else _win_forward)[grid](
         x, w, y, channels, time, kernel, padding_l, cph, heads, tiles, *x.stride(), *_weight_strides(w, dynamic),
         DYNAMIC=dynamic, LEFT=padding_l > 0, RIGHT=kernel - 1 - padding_l > 0, BG=bg, W=width,
-        KP=tap_rows(kernel, width), PREC=_precision(x.dtype), num_warps=num_warps, num_stages=num_stages, **LAUNCH_OPTIONS)
+        KP=tap_rows(kernel, width), PREC=_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
+        **LAUNCH_OPTIONS)
     return y
 
 
