@@ -11,15 +11,16 @@ Four CPU ranks: 2 pipeline stages x 2 data-parallel, 4 chunks per rank. The time
 chunk) carries a ballast parameter of ``--ballast-mib`` MiB. Every rank's share costs
 F = I = W = 20 ms per micro-batch, plus what the ballast's gradient costs. For each row it
 prints the median step / ideal, the chunk all-gathers per step, and the simulator's
-prediction of the same program with costs measured in the run (the mean forward and
-backward of a chunk and the runtime's host time around each action, from three traced steps;
-the host's time in the optimizer step, in each gradient-sync post, in each all-gather post
-and in the global norm's collective; and apart from the steps the all-gather of one chunk,
-the gradient reduce-scatter or all-reduce, the P2P latency to a waiting rank and the
-host's time per message); then the ZeRO-3 /
-ZeRO-1 step ratio of breadth-first, and the memory each rank holds for ZeRO-0/1/2/3
-(weights, gradients, optimizer state at their peaks, and the activations autograd saved). torch.distributed.pipelining's LoopedBFS with FSDP2 runs beside
-them where it runs on gloo; the row says why where it does not.
+prediction of the same program with costs measured in the run: from three traced steps, a
+chunk's mean forward and backward and the runtime's mean host time around each action; from
+the timed steps, the host's mean time in the optimizer step, in each gradient-sync post and in
+each all-gather post, the mean time from a rank's all-gather post to its data-parallel peer's
+(0 for the later one), and the global norm's collective (median, the last rank's); apart from
+the steps, the all-gather of one chunk, the gradient reduce-scatter or all-reduce, the P2P
+latency to a waiting rank and the host's time per message. Then the ZeRO-3 / ZeRO-1 step ratio
+of breadth-first, and the memory each rank holds for ZeRO-0/1/2/3 (weights, gradients,
+optimizer state at their peaks, and the activations autograd saved). torch.distributed.pipelining's
+LoopedBFS with FSDP2 runs beside them where it runs on gloo; the row says why where it does not.
 The last line is a JSON object with every row.
 """
 import argparse
@@ -198,17 +199,21 @@ def timed(owner, name: str, starts: list | None = None) -> list:
 
 
 def post_skew(dist, posts: list, dp_group) -> float:
-    """Mean over every rank's all-gather posts of the time to the later data-parallel peer's post of
-    the same gather (the members run one program, so each one's k-th post is the same chunk's).
+    """Mean over every rank's all-gather posts of the time to the latest data-parallel peer's post of
+    the same gather, 0 where the rank is the latest (the members run one program, so each one's k-th
+    post is the same chunk's).
     ``perf_counter`` reads CLOCK_MONOTONIC, one clock for every process on this host."""
     peers = [None] * dist.get_world_size(dp_group)
     dist.all_gather_object(peers, posts, group=dp_group)
-    if len({len(p) for p in peers}) != 1:
-        raise RuntimeError(f"data-parallel peers posted different numbers of gathers: {[len(p) for p in peers]}")
-    waits = [max(p[k] for p in peers) - mine for k, mine in enumerate(posts)]
+    counts = [len(p) for p in peers]
+    # a mismatch goes to every rank, so all of them raise instead of the others waiting below
+    waits = [max(p[k] for p in peers) - mine for k, mine in enumerate(posts)] if len(set(counts)) == 1 else counts
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, waits)
-    every = [wait for mine in every for wait in mine]
+    dist.all_gather_object(every, (len(set(counts)) == 1, waits))
+    unequal = [counts for paired, counts in every if not paired]
+    if unequal:
+        raise RuntimeError(f"data-parallel peers posted different numbers of gathers: {unequal}")
+    every = [wait for _, mine in every for wait in mine]
     return statistics.mean(every) if every else 0.0
 
 

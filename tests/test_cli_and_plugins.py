@@ -47,6 +47,18 @@ def test_simulate_takes_the_gradient_sync_post_cost(capsys):
     assert makespan("--cost-sync-post", "0.25") == 6.5
 
 
+def test_simulate_takes_the_sharded_gather_costs(capsys):
+    def makespan(*extra):
+        assert cli.main(["simulate", "--schedule", "1f1b", "--stages", "2", "--micro-batches", "4", "--zero", "3",
+                         "--data-parallel", "2", *extra, "--json"]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["makespan"]
+    # 1f1b at ZeRO-3 gathers its one chunk once, before anything can hide it
+    plain = makespan()
+    assert makespan("--cost-gather", "0.5") == plain + 0.5
+    assert makespan("--cost-gather-post", "0.125") == plain + 0.125
+    assert makespan("--cost-gather-skew", "0.25") == plain + 0.25
+
+
 def test_simulate_writes_trace_and_plot(tmp_path, capsys):
     trace, png = tmp_path / "t.json", tmp_path / "g.png"
     assert cli.main(["simulate", "--schedule", "chimera", "--stages", "4", "--micro-batches", "8",

@@ -84,8 +84,17 @@ def test_equal_decisions_make_equal_launches():
     for (op, dtype, _), points in pairs:
         captured = [lc.launches([lc.Call(op, dtype, k, p, 64, 2048, "tbc")]) for k, p in points[:2]]
         assert captured[0] == captured[1] and captured[0], (op, dtype, points[:2])
-        # fusion is asked for, not left to a default Triton 3.10 changes
-        assert all(launch.fp_fusion is True for launch in captured[0]), (op, dtype)
+
+
+def test_every_launch_asks_for_fused_multiply_adds(monkeypatch):
+    """Triton 3.10 turns its fusion default off; with the default off here, only a launch that asks
+    for fusion compiles with it."""
+    monkeypatch.setattr(triton.knobs.language, "default_fp_fusion", False)
+    calls = [lc.Call(op, dtype, kernel, kernel // 2, 64, 2048, "tbc")
+             for op in lc.OPS for dtype in (torch.float32, torch.bfloat16) for kernel in (3, 31, 127)]
+    captured = lc.launches(calls)
+    assert len({launch.kernel for launch in captured}) >= 6
+    assert [launch.describe() for launch in captured if not launch.fp_fusion] == []
 
 
 def _arguments(launch):

@@ -45,7 +45,7 @@ class Launch:
     attrs: tuple                   # ((path, attributes), ...)
     num_warps: int
     num_stages: int
-    fp_fusion: bool | None          # what the launch asked for (None: Triton's default)
+    fp_fusion: bool                # fused multiply-adds: as asked, else Triton's default
     fn: object = field(compare=False, hash=False, repr=False)
     raw_constants: tuple = field(compare=False, hash=False, repr=False, default=())   # as Triton gave them
 
@@ -96,7 +96,7 @@ def _recording(store: dict):
                         constants=tuple((k, _value(v)) for k, v in compile["constants"].items()),
                         attrs=tuple((k, json.dumps(v)) for k, v in compile["configs"][0].items()),
                         num_warps=options["num_warps"], num_stages=options["num_stages"],
-                        fp_fusion=options.get("enable_fp_fusion"), fn=jit,
+                        fp_fusion=options["enable_fp_fusion"], fn=jit,
                         raw_constants=tuple(compile["constants"].items()))
         store.setdefault(launch, launch)
         return True                                     # skip the compile and the launch
@@ -272,10 +272,7 @@ def _source(launch: Launch):
 
 
 def _options(launch: Launch) -> dict:
-    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
-    if launch.fp_fusion is not None:
-        options["enable_fp_fusion"] = launch.fp_fusion
-    return options
+    return {"num_warps": launch.num_warps, "num_stages": launch.num_stages, "enable_fp_fusion": launch.fp_fusion}
 
 
 def _backend():

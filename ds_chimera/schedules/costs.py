@@ -30,10 +30,10 @@ class Costs:
     size) and ``gather_post`` the rank's own time to post one. A gather ends only once every
     data-parallel member has posted it, and members drift apart between syncs (host stalls the
     lockstep copies of the program do not have): ``gather_skew`` is the mean time from a
-    rank's post to the later of its peers' posts. Under sharding ``allreduce`` prices the
+    rank's post to the latest of its peers' posts (0 where the rank is the latest). Under sharding ``allreduce`` prices the
     gradients' reduce-scatter. ``dispatch`` is the runtime's host time around each
-    compute action beyond the op itself (its bookkeeping, the weights' and gradient buffers'
-    readiness checks): like ``send``, nothing next to a GPU kernel, a visible share on CPU
+    compute action beyond the op itself (its bookkeeping, the gathered weights' readiness
+    check): like ``send``, nothing next to a GPU kernel, a visible share on CPU
     ranks, and it adds up over the many actions of a looped schedule. ``step`` is the
     optimizer step of one stage's worth of weights (a chunk pays it times its size). ``clip``
     is the global gradient norm's collective (every rank's squared norm summed), counted from
