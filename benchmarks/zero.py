@@ -5,6 +5,8 @@
     python benchmarks/zero.py --runs 3    # three launches; each row's median and range over them
     python benchmarks/zero.py --op-ms 80 --ballast-mib 8   # 4x longer ops and weights: this host's
                                           # fixed-size stalls a quarter of the share (RESULTS)
+    python benchmarks/zero.py --rows interleaved:1 interleaved:3 --no-fsdp --cpu-load 4
+                                          # some rows, with CPU load beside each rank (a diagnostic)
 
 Four CPU ranks: 2 pipeline stages x 2 data-parallel, 4 chunks per rank. The timed model
 (``timed_model``) with weights that cost something to move: each timed layer (one per
@@ -39,6 +41,7 @@ COST_S = 0.020
 LAYERS = 8             # timed layers; 2 stages x 4 chunks: one per chunk
 CHUNKS = 4
 MICRO = 1
+STAGES, DP = 2, 2
 
 ROWS = [("breadth-first", 1), ("breadth-first", 2), ("breadth-first", 3), ("interleaved", 1), ("interleaved", 3)]
 
@@ -59,47 +62,103 @@ def ballast_layer_class():
     return BallastLayer
 
 
+def row_arg(text: str) -> tuple:
+    """A row given as SCHEDULE:ZERO (``--rows interleaved:3``)."""
+    schedule, _, zero = text.partition(":")
+    if schedule not in ("breadth-first", "interleaved") or zero not in ("0", "1", "2", "3"):
+        raise argparse.ArgumentTypeError(f"a row is SCHEDULE:ZERO with SCHEDULE breadth-first or interleaved and "
+                                         f"ZERO 0-3, got {text!r}")
+    return schedule, int(zero)
+
+
+@contextlib.contextmanager
+def cpu_load(copies: int, period_s: float = 0.005):
+    """A diagnostic: a thread that every ``period_s`` copies and adds ``copies`` pairs of 2 MiB
+    tensors, CPU load beside the rank's work (docs/investigations/zero3-simulator-gap.md)."""
+    import threading
+
+    import torch
+    if copies <= 0:
+        yield
+        return
+    stop = threading.Event()
+
+    def burn():
+        a, b = torch.zeros(2 ** 19), torch.zeros(2 ** 19)
+        while not stop.wait(period_s):
+            for _ in range(copies):
+                a.copy_(b)
+                b.add_(1.0)
+    thread = threading.Thread(target=burn, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def timed_specs(cost_s: float, numel: int) -> list:
+    """The benchmark's model: the cost-free entry layer, then LAYERS timed layers of ``numel``
+    ballast weights each, every rank's share costing ``cost_s`` per op and micro-batch."""
+    from deepspeed.pipe import LayerSpec
+
+    from timed_model import EntryLayer
+    layer_s = cost_s * STAGES / LAYERS
+    ballast = ballast_layer_class()
+    return [LayerSpec(EntryLayer)] + [LayerSpec(ballast, layer_s, layer_s, layer_s, numel) for _ in range(LAYERS)]
+
+
+def build_engine(specs, schedule: str, zero: int, n: int):
+    """A DeepSpeed engine of ``specs`` running ``schedule`` at ZeRO ``zero`` with N = ``n``."""
+    import torch
+
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    cfg = {"train_batch_size": n * MICRO * DP, "train_micro_batch_size_per_gpu": MICRO,
+           "steps_per_print": 10 ** 9, "gradient_clipping": 0.0,
+           "pipeline": {"schedule": schedule, "chunks": CHUNKS, "timeout": 600}}
+    if zero:
+        cfg["zero_optimization"] = {"stage": zero}
+        cfg["zero_allow_untested_optimizer"] = True
+    net = PipelineModule(layers=specs, num_stages=STAGES, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    return deepspeed.initialize(model=net, config=cfg, optimizer=lambda p: torch.optim.Adam(p, lr=1e-4))[0]
+
+
+def make_batches(n: int) -> list:
+    """N micro-batches of (input, target), the same in every row and on every rank."""
+    import torch
+
+    from timed_model import WIDTH
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(MICRO, WIDTH, generator=g), torch.randn(MICRO, WIDTH, generator=g)) for _ in range(n)]
+
+
 def worker(args):
     import torch
     import torch.distributed as dist
 
     import deepspeed
     import ds_chimera  # noqa: F401
-    from deepspeed.pipe import LayerSpec, PipelineModule
-
     from ds_chimera.schedules.costs import Costs
     from ds_chimera.schedules.sharding import gathers_per_rank
     from ds_chimera.sim.simulator import simulate
     from gloo_transport import share_one_device
     from schedules import median_steps_in_turn, p2p_host_costs, p2p_waiting_latency, process_groups, release_groups
-    from timed_model import WIDTH, EntryLayer
 
     share_one_device()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
-    stages, dp = 2, 2
+    stages, dp = STAGES, DP
     cost_s = args.op_ms / 1e3
-    layer_s = cost_s * stages / LAYERS
     numel = int(args.ballast_mib * 2 ** 20 / 4)
     trace_dir = os.path.join(os.path.dirname(os.path.abspath(args.out)), ".zero_traces")
-    ballast = ballast_layer_class()
-    specs = [LayerSpec(EntryLayer)] + [LayerSpec(ballast, layer_s, layer_s, layer_s, numel) for _ in range(LAYERS)]
+    specs = timed_specs(cost_s, numel)
     rows = []
     chunk_bytes = (LAYERS // (CHUNKS * stages)) * (numel + 1) * 4
 
     def engine_for(schedule, zero, n):
-        cfg = {"train_batch_size": n * MICRO * dp, "train_micro_batch_size_per_gpu": MICRO,
-               "steps_per_print": 10 ** 9, "gradient_clipping": 0.0,
-               "pipeline": {"schedule": schedule, "chunks": CHUNKS, "timeout": 600}}
-        if zero:
-            cfg["zero_optimization"] = {"stage": zero}
-            cfg["zero_allow_untested_optimizer"] = True
-        net = PipelineModule(layers=specs, num_stages=stages, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
-        return deepspeed.initialize(model=net, config=cfg, optimizer=lambda p: torch.optim.Adam(p, lr=1e-4))[0]
-
-    def data(n):
-        g = torch.Generator().manual_seed(0)
-        return [(torch.randn(MICRO, WIDTH, generator=g), torch.randn(MICRO, WIDTH, generator=g)) for _ in range(n)]
+        return build_engine(specs, schedule, zero, n)
 
     # the costs the simulations use, measured apart from the steps
     dp_group = None
@@ -127,57 +186,61 @@ def worker(args):
     for n in args.micro_batches:
         keep = process_groups()
         engines, steps = [], []
-        for schedule, zero in ROWS:
-            engine = engine_for(schedule, zero, n)
-            batches = data(n)
-            posts = []      # when each all-gather was posted: the data-parallel peers' skew
-            spent = {name: timed(owner, name) for owner, name in (
-                (engine.optimizer, "step"), (engine.host, "start_grad_sync"), (engine.host, "clip_gradients"),
-                (engine.executor, "run"))}
-            spent["gather_weights"] = timed(engine.host, "gather_weights", posts)
-            engines.append((schedule, zero, engine, spent, posts))
-            steps.append(lambda e=engine, b=batches: e.train_batch(iter(b)))
-        times = median_steps_in_turn(dist, steps, args.repeats)
-        for (schedule, zero, engine, spent, posts), step_s in zip(engines, times):
-            ideal = n * 3 * cost_s
-            program = engine.plan.program
-            # the first step (the warm-up round: allocations, the optimizer state's creation) left out
-            timed_steps = {name: values[len(values) // (args.repeats + 1):] for name, values in spent.items()}
-            median = {name: statistics.median(values) if values else 0.0 for name, values in timed_steps.items()}
-            # host work the step adds up: its mean, this host's stalls included
-            mean = {name: statistics.mean(values) if values else 0.0 for name, values in timed_steps.items()}
-            # the global norm's own time: the last rank to arrive waits for nobody
-            clip_s = reduced(dist, torch, median["clip_gradients"], dist.ReduceOp.MIN)
-            skew_s = post_skew(dist, posts[len(posts) // (args.repeats + 1):], dp_group)
-            program_s = reduced(dist, torch, median["run"], dist.ReduceOp.MAX)
-            fwd, bwd, gaps = traced_costs(engine, data(n), trace_dir, send_s)   # one chunk's, in stage units
-            every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, gaps)         # some ranks have no such pair (a gather between)
-            every = [gap for mine in every for gap in mine]
-            dispatch = statistics.mean(every) if every else 0.0
-            costs = Costs(fwd=fwd, bwd=bwd, wgrad=bwd / 2, gather=gather_s * CHUNKS,
-                          gather_post=mean["gather_weights"], gather_skew=skew_s,
-                          allreduce=(scatter_after[n] if zero >= 2 else allreduce_s), comm=waiting_s, send=send_s,
-                          recv=recv_s, sync_post=mean["start_grad_sync"], clip=clip_s,
-                          step=mean["step"] / engine.placement.size / CHUNKS, dispatch=max(dispatch, 0.0))
-            sim = simulate(program, costs, data_parallel=dp)
-            row = {"schedule": schedule, "zero": zero, "N": n, "step_s": step_s, "vs_ideal": step_s / ideal,
-                   "gathers": gathers_per_rank(program)[engine.pipe_rank] if zero >= 2 else 0,
-                   "sim_s": sim.makespan, "measured_vs_sim": step_s / sim.makespan, "program_s": program_s,
-                   "program_vs_sim": program_s / sim.makespan, "around_program_s": step_s - program_s,
-                   "costs": costs.__dict__}
-            rows.append(row)
-            if rank == 0:
-                print(f"  zero N={n} {schedule} ZeRO-{zero}: {row['vs_ideal']:.3f} x ideal, {row['gathers']} gathers/step, "
-                      f"measured/simulated: step {row['measured_vs_sim']:.3f}, program {row['program_vs_sim']:.3f} "
-                      f"(the engine around the program {row['around_program_s'] * 1e3:.1f} ms; host time per action "
-                      f"{costs.dispatch * 1e3:.2f} ms, per gather post {costs.gather_post * 1e3:.2f} ms, peers' post skew "
-                      f"{costs.gather_skew * 1e3:.2f} ms)", flush=True)
-        rows.append(fsdp_looped_bfs(torch, dist, rank, n, specs, stages, dp, data, args.repeats, cost_s))
+        with cpu_load(args.cpu_load):     # 0 (the default): no load
+            for schedule, zero in args.rows:
+                engine = engine_for(schedule, zero, n)
+                batches = make_batches(n)
+                posts = []      # when each all-gather was posted: the data-parallel peers' skew
+                spent = {name: timed(owner, name) for owner, name in (
+                    (engine.optimizer, "step"), (engine.host, "start_grad_sync"), (engine.host, "clip_gradients"),
+                    (engine.executor, "run"))}
+                spent["gather_weights"] = timed(engine.host, "gather_weights", posts)
+                engines.append((schedule, zero, engine, spent, posts))
+                steps.append(lambda e=engine, b=batches: e.train_batch(iter(b)))
+            times = median_steps_in_turn(dist, steps, args.repeats)
+            for (schedule, zero, engine, spent, posts), step_s in zip(engines, times):
+                ideal = n * 3 * cost_s
+                program = engine.plan.program
+                # the first step (the warm-up round: allocations, the optimizer state's creation) left out
+                timed_steps = {name: values[len(values) // (args.repeats + 1):] for name, values in spent.items()}
+                median = {name: statistics.median(values) if values else 0.0 for name, values in timed_steps.items()}
+                # host work the step adds up: its mean, this host's stalls included
+                mean = {name: statistics.mean(values) if values else 0.0 for name, values in timed_steps.items()}
+                # the global norm's own time: the last rank to arrive waits for nobody
+                clip_s = reduced(dist, torch, median["clip_gradients"], dist.ReduceOp.MIN)
+                skew_s = post_skew(dist, posts[len(posts) // (args.repeats + 1):], dp_group)
+                program_s = reduced(dist, torch, median["run"], dist.ReduceOp.MAX)
+                # one chunk's forward and backward, in stage units
+                fwd, bwd, gaps = traced_costs(engine, make_batches(n), trace_dir, send_s)
+                every = [None] * dist.get_world_size()
+                dist.all_gather_object(every, gaps)         # some ranks have no such pair (a gather between)
+                every = [gap for mine in every for gap in mine]
+                dispatch = statistics.mean(every) if every else 0.0
+                costs = Costs(fwd=fwd, bwd=bwd, wgrad=bwd / 2, gather=gather_s * CHUNKS,
+                              gather_post=mean["gather_weights"], gather_skew=skew_s,
+                              allreduce=(scatter_after[n] if zero >= 2 else allreduce_s), comm=waiting_s, send=send_s,
+                              recv=recv_s, sync_post=mean["start_grad_sync"], clip=clip_s,
+                              step=mean["step"] / engine.placement.size / CHUNKS, dispatch=max(dispatch, 0.0))
+                sim = simulate(program, costs, data_parallel=dp)
+                row = {"schedule": schedule, "zero": zero, "N": n, "step_s": step_s, "vs_ideal": step_s / ideal,
+                       "gathers": gathers_per_rank(program)[engine.pipe_rank] if zero >= 2 else 0,
+                       "sim_s": sim.makespan, "measured_vs_sim": step_s / sim.makespan, "program_s": program_s,
+                       "program_vs_sim": program_s / sim.makespan, "around_program_s": step_s - program_s,
+                       "costs": costs.__dict__}
+                rows.append(row)
+                if rank == 0:
+                    print(f"  zero N={n} {schedule} ZeRO-{zero}: {row['vs_ideal']:.3f} x ideal, {row['gathers']} "
+                          f"gathers/step, measured/simulated: step {row['measured_vs_sim']:.3f}, program "
+                          f"{row['program_vs_sim']:.3f} (the engine around the program "
+                          f"{row['around_program_s'] * 1e3:.1f} ms; host time per action {costs.dispatch * 1e3:.2f} "
+                          f"ms, per gather post {costs.gather_post * 1e3:.2f} ms, peers' post skew "
+                          f"{costs.gather_skew * 1e3:.2f} ms)", flush=True)
+        if args.fsdp:
+            rows.append(fsdp_looped_bfs(torch, dist, rank, n, specs, stages, dp, make_batches, args.repeats, cost_s))
         del engines, steps
         release_groups(dist, keep)
     if args.memory:
-        rows.extend(memory_rows(torch, dist, rank, engine_for, data, dp_group))
+        rows.extend(memory_rows(torch, dist, rank, engine_for, make_batches, dp_group))
     save_rows(dist, rows, args.out)
 
 
@@ -438,6 +501,12 @@ def main():
                         help="F = I = W per rank and micro-batch, in ms: a longer op leaves this host's fixed-size "
                              "stalls a smaller share of the step")
     parser.add_argument("--no-memory", dest="memory", action="store_false")
+    parser.add_argument("--rows", type=row_arg, nargs="+", default=ROWS, metavar="SCHEDULE:ZERO",
+                        help="the rows to time (default: all five)")
+    parser.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="leave out torch's LoopedBFS + FSDP2")
+    parser.add_argument("--cpu-load", type=int, default=0, metavar="K",
+                        help="diagnostic: a thread per rank copying K pairs of 2 MiB tensors every 5 ms during the "
+                             "rows, to see what CPU load does to the prediction")
     parser.add_argument("--runs", type=int, default=1,
                         help="launch the whole measurement this many times (this host's load drifts between "
                              "runs) and summarise each row over them")
@@ -453,8 +522,12 @@ def main():
         parser.error(f"--op-ms must be > 0, got {args.op_ms}")
     print(f"2 stages x 2 data-parallel, F = I = W = {args.op_ms:g} ms per rank and micro-batch, "
           f"{args.ballast_mib:g} MiB per timed layer", flush=True)
+    if args.cpu_load < 0:
+        parser.error(f"--cpu-load must be >= 0, got {args.cpu_load}")
     worker_args = ["--repeats", args.repeats, "--micro-batches", *args.micro_batches,
-                   "--ballast-mib", args.ballast_mib, "--op-ms", args.op_ms] + ([] if args.memory else ["--no-memory"])
+                   "--ballast-mib", args.ballast_mib, "--op-ms", args.op_ms, "--cpu-load", args.cpu_load,
+                   "--rows", *(f"{s}:{z}" for s, z in args.rows)] + ([] if args.memory else ["--no-memory"]) \
+        + ([] if args.fsdp else ["--no-fsdp"])
     rows = []
     for run in range(args.runs):
         if args.runs > 1:
