@@ -7,6 +7,7 @@ reads the rows back.
 """
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -20,8 +21,8 @@ def launch(script: str, worker_args: list, out: str, keep, nproc: int = 4):
     """
     wanted = keep if callable(keep) else (lambda line: line.startswith(tuple(keep)))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), script, "--worker",
-           *map(str, worker_args), "--out", out]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), script, "--worker", *map(str, worker_args), "--out", out]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout.splitlines():
         if wanted(line) or "Error" in line:
@@ -32,6 +33,13 @@ def launch(script: str, worker_args: list, out: str, keep, nproc: int = 4):
         return None
     with open(out) as fh:
         return json.load(fh)
+
+
+def free_port() -> int:
+    """A port no one listens on now: runs beside each other (tests, two benchmarks) need not share 29500."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def report(rows, summarise=None) -> int:
