@@ -27,6 +27,7 @@ The last line is a JSON object with every row.
 """
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -125,6 +126,23 @@ def build_engine(specs, schedule: str, zero: int, n: int):
     return deepspeed.initialize(model=net, config=cfg, optimizer=lambda p: torch.optim.Adam(p, lr=1e-4))[0]
 
 
+def chunk_numel(numel: int) -> int:
+    """Floats in one chunk's weights: its timed layers' ballast and their own weight each."""
+    return (LAYERS // (CHUNKS * STAGES)) * (numel + 1)
+
+
+def data_parallel_group(dist):
+    """This rank's data-parallel pair, numbered as DeepSpeed's grid numbers them (every rank
+    creates every pair's group, in the same order, as collective creation requires)."""
+    mine = None
+    for stage in range(STAGES):
+        members = [stage * DP + k for k in range(DP)]
+        group = dist.new_group(members)
+        if dist.get_rank() in members:
+            mine = group
+    return mine
+
+
 def make_batches(n: int) -> list:
     """N micro-batches of (input, target), the same in every row and on every rank."""
     import torch
@@ -155,18 +173,11 @@ def worker(args):
     trace_dir = os.path.join(os.path.dirname(os.path.abspath(args.out)), ".zero_traces")
     specs = timed_specs(cost_s, numel)
     rows = []
-    chunk_bytes = (LAYERS // (CHUNKS * stages)) * (numel + 1) * 4
-
-    def engine_for(schedule, zero, n):
-        return build_engine(specs, schedule, zero, n)
+    chunk_bytes = chunk_numel(numel) * 4
+    engine_for = functools.partial(build_engine, specs)
 
     # the costs the simulations use, measured apart from the steps
-    dp_group = None
-    for stage in range(stages):      # each stage's data-parallel pair, as DeepSpeed's grid numbers them
-        members = [stage * dp + k for k in range(dp)]
-        group = dist.new_group(members)           # collective creation: every rank, same order
-        if rank in members:
-            dp_group = group
+    dp_group = data_parallel_group(dist)
     gather_s = collective_time(dist, torch, dp_group, chunk_bytes // 4, "gather")
     scatter_s = collective_time(dist, torch, dp_group, chunk_bytes // 4, "reduce_scatter")
     # the reduce-scatter as the step meets it: after a chunk's backward of N micro-batches, each member's own
@@ -269,11 +280,12 @@ def post_skew(dist, posts: list, dp_group) -> float:
     peers = [None] * dist.get_world_size(dp_group)
     dist.all_gather_object(peers, posts, group=dp_group)
     counts = [len(p) for p in peers]
+    paired = len(set(counts)) == 1
     # a mismatch goes to every rank, so all of them raise instead of the others waiting below
-    waits = [max(p[k] for p in peers) - mine for k, mine in enumerate(posts)] if len(set(counts)) == 1 else counts
+    waits = [max(p[k] for p in peers) - mine for k, mine in enumerate(posts)] if paired else counts
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (len(set(counts)) == 1, waits))
-    unequal = [counts for paired, counts in every if not paired]
+    dist.all_gather_object(every, (paired, waits))
+    unequal = [theirs for ok, theirs in every if not ok]
     if unequal:
         raise RuntimeError(f"data-parallel peers posted different numbers of gathers: {unequal}")
     every = [wait for _, mine in every for wait in mine]

@@ -22,7 +22,8 @@ import time
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 from ranks import launch, report, save_rows  # noqa: E402
-from zero import CHUNKS, COST_S, DP, LAYERS, STAGES, build_engine, make_batches, row_arg, timed_specs  # noqa: E402
+from zero import (COST_S, build_engine, chunk_numel, collective_buffers, data_parallel_group, make_batches,  # noqa: E402
+                  row_arg, timed_collective, timed_specs)
 
 ROUNDS = 200
 STEPS = 6
@@ -51,28 +52,17 @@ def worker(args):
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     numel = int(args.ballast_mib * 2 ** 20 / 4)
-    chunk = (LAYERS // (CHUNKS * STAGES)) * (numel + 1)
-    chunk -= chunk % DP
-    pair = None
-    for stage in range(STAGES):         # each stage's data-parallel pair, as DeepSpeed's grid numbers them
-        group = dist.new_group([stage * DP + k for k in range(DP)])
-        if rank in range(stage * DP, (stage + 1) * DP):
-            pair = group
+    pair = data_parallel_group(dist)
     rows = []
-    full, shard = torch.zeros(chunk), torch.randn(chunk // DP)
-    for kind in ("all_gather", "reduce_scatter"):
-        def once():
-            if kind == "all_gather":
-                dist.all_gather_into_tensor(full, shard, group=pair)
-            else:
-                dist.reduce_scatter_tensor(shard, full, group=pair)
+    full, shard = collective_buffers(dist, torch, pair, chunk_numel(numel))
+    for kind, name in (("all_gather", "gather"), ("reduce_scatter", "reduce_scatter")):
         for _ in range(5):
-            once()
+            timed_collective(dist, pair, name, full, shard)
         dist.barrier()
         before, start = usage(), time.perf_counter()
         for _ in range(ROUNDS):
-            once()
-        row = {"collective": kind, "rank": rank, "mib": chunk * 4 / 2 ** 20,
+            timed_collective(dist, pair, name, full, shard)
+        row = {"collective": kind, "rank": rank, "mib": full.numel() * 4 / 2 ** 20,
                "wall_ms": (time.perf_counter() - start) / ROUNDS * 1e3, **spent(before, usage(), ROUNDS)}
         rows.append(row)
         print(f"  cpu {kind} of {row['mib']:.1f} MiB, rank {rank}: wall {row['wall_ms']:.2f} ms, user "
