@@ -17,6 +17,9 @@ $(STAMP): setup.py Makefile
 	$(PYTHON) -m pip install --quiet "megatron-core==$(MEGATRON_CORE_VERSION)" \
 		"transformers==$(TRANSFORMERS_VERSION)" "accelerate==$(ACCELERATE_VERSION)"
 	$(PYTHON) -m pip install --quiet --no-build-isolation --no-deps -e .
+	# the native CPU kernels compile once per machine (about a minute); a multi-rank test's first step
+	# would otherwise pay it inside its peers' timeout
+	$(PYTHON) -c "from ds_chimera.ops import cpp_backend; cpp_backend.available()"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -114,7 +114,7 @@ def test_every_host_implements_the_execution_context():
     """The executor depends on the protocol alone: each host provides all of it."""
     import inspect
 
-    from ds_chimera.megatron.contract import MegatronHost
+    from ds_chimera.megatron.host import MegatronHost
     from ds_chimera.runtime.async_engine import AsyncPipelineHost
     from ds_chimera.runtime.host import PipelineHost
     from ds_chimera.runtime.local import LocalHost

@@ -136,7 +136,7 @@ def test_bad_schedule_names_and_options_fail_before_any_work():
 
 
 def test_the_schedule_flag_is_taken_out_of_argv():
-    from ds_chimera.megatron.install import chosen_schedule
+    from ds_chimera.megatron.choice import chosen_schedule
     argv = ["pretrain_gpt.py", "--num-layers", "8", "--pipeline-schedule", "chimera",
             "--pipeline-schedule-options", '{"pipelines": 2}', "--lr", "1e-3"]
     assert chosen_schedule(argv) == ("chimera", {"pipelines": 2})
@@ -165,17 +165,17 @@ def test_install_takes_v_from_megatrons_virtual_pipeline_size(monkeypatch):
 
 
 def test_micro_batch_feed_hands_each_forward_its_own_micro_batch():
-    from ds_chimera.megatron.contract import _MicroBatchFeed, _OneMicroBatch
+    from ds_chimera.megatron.host import MicroBatchFeed, OneMicroBatch
     source = iter(range(100))
-    feed = _MicroBatchFeed(source, 4)
-    assert next(_OneMicroBatch(feed, 2)) == 2 and next(_OneMicroBatch(feed, 0)) == 0
+    feed = MicroBatchFeed(source, 4)
+    assert next(OneMicroBatch(feed, 2)) == 2 and next(OneMicroBatch(feed, 0)) == 0
     feed.finish()                                   # a used iterator advances by exactly num_microbatches
     assert next(source) == 4
-    once = _OneMicroBatch(feed, 1)
+    once = OneMicroBatch(feed, 1)
     next(once)
     with pytest.raises(RuntimeError, match="next\\(data_iterator\\) twice for micro-batch 1"):
         next(once)
-    short = _MicroBatchFeed(iter(range(2)), 4)
+    short = MicroBatchFeed(iter(range(2)), 4)
     with pytest.raises(RuntimeError, match="ran out after 2 micro-batches; this call needs 4"):
         short.item(3)
 
@@ -223,7 +223,7 @@ class _TiedLM(__import__("torch").nn.Module):
 def test_split_backward_of_captured_blocks_equals_a_full_backward(call_twice):
     """I then W over forward-hook blocks gives exactly the gradients of one backward, tied weights included."""
     import torch
-    from ds_chimera.megatron.contract import _blocks_of, _settle_blocks
+    from ds_chimera.megatron.weight_blocks import blocks_of, settle_blocks
     from ds_chimera.runtime.executor import split_input_grad
     model = _TiedLM(call_twice)
     ids = torch.tensor([[1, 4, 7], [2, 9, 3]])
@@ -232,9 +232,9 @@ def test_split_backward_of_captured_blocks_equals_a_full_backward(call_twice):
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     capture = []
-    with _blocks_of(model, capture) as nodes:
+    with blocks_of(model, capture) as nodes:
         out = model(ids)
-    _settle_blocks(model, capture, nodes, out)
+    settle_blocks(model, capture, nodes, out)
     work = split_input_grad([out], None, [], capture)
     deferred = {id(p) for _, _, params in work for p in params}
     assert id(model.mid.weight) in deferred                     # a plain block's W is really deferred

@@ -61,9 +61,11 @@ def test_placement_rejects_ranks_out_of_range():
 
 # ---- the DeepSpeed "pipeline" section: checked whole, on every rank, before any work -------------------
 def _plan(section, **config):
+    from ds_chimera.config import PipelineConfig
     from ds_chimera.runtime.plan import make_plan
     config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "pipeline": section, **config}
-    return make_plan(config, 4, 1, 16, lambda stages, method: [4 * i for i in range(stages + 1)])
+    return make_plan(PipelineConfig.from_deepspeed(config), 4, 1, 16,
+                     lambda stages, method: [4 * i for i in range(stages + 1)])
 
 
 @pytest.mark.parametrize("section,message", [
@@ -87,11 +89,11 @@ def test_the_pipeline_section_is_checked_whole(section, message):
 
 
 def test_only_deepspeeds_own_pipeline_keys_leave_the_stock_engine_alone():
-    from ds_chimera.runtime.plan import wants_schedule
-    assert not wants_schedule(None) and not wants_schedule({"stages": 4, "partition": "uniform"})
-    assert wants_schedule({"stages": 4, "Schedule": "chimera"})       # ours, so checked (and refused)
+    from ds_chimera.config import asks_for_schedule
+    assert not asks_for_schedule(None) and not asks_for_schedule({"stages": 4, "partition": "uniform"})
+    assert asks_for_schedule({"stages": 4, "Schedule": "chimera"})       # ours, so checked (and refused)
     with pytest.raises(ValueError, match='"pipeline" must be a JSON object'):
-        wants_schedule(["chimera"])
+        asks_for_schedule(["chimera"])
 
 
 def test_an_unwritable_trace_dir_fails_at_initialize(tmp_path):
@@ -104,7 +106,7 @@ def test_an_unwritable_trace_dir_fails_at_initialize(tmp_path):
 
 
 def test_auto_batch_keys_are_the_hf_trainers_to_fill():
-    from ds_chimera.runtime.plan import without_auto_batch_keys
+    from ds_chimera.config import without_auto_batch_keys
     assert without_auto_batch_keys({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
                                     "gradient_accumulation_steps": 8}) == {"train_micro_batch_size_per_gpu": 2,
                                                                            "gradient_accumulation_steps": 8}

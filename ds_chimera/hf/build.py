@@ -13,7 +13,7 @@ def build_engine(trainer, max_steps: int | None):
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
-    from ..integrations.deepspeed import initialize
+    from ..integrations.deepspeed import initialize_pipeline
     setup = trainer.setup
     config = copy.deepcopy(setup.config)
     config["gradient_clipping"] = setup.engine_clip          # the norm is reported even when clipping is off
@@ -31,5 +31,6 @@ def build_engine(trainer, max_steps: int | None):
         trainer.hf_optimizer = hf_optimizer
         optimizer = chunk_optimizer_factory(hf_optimizer, trainer.model,
                                             lambda: pipeline_hf_names(net.ds_chimera_chunks, trainer.layout))
-    engine, _, _, _ = initialize(model=net, config=config, optimizer=optimizer)
+    pipeline = setup.pipeline.with_clip(setup.engine_clip)
+    engine, _, _, _ = initialize_pipeline(pipeline, model=net, config=config, optimizer=optimizer)
     return engine

@@ -22,12 +22,15 @@ import json
 import os
 from dataclasses import dataclass
 
+from ..config import PipelineConfig
+
 AUTO = "auto"
 
 
 @dataclass
 class PipelineSetup:
     config: dict           # what goes to deepspeed.initialize (batch keys resolved)
+    pipeline: PipelineConfig   # the same, parsed and checked once
     schedule: str
     stages: int            # D, ranks per pipeline
     data_parallel: int
@@ -130,16 +133,15 @@ def refuse_ignored_arguments(args) -> None:
 
 def resolve(raw, args, world_size: int) -> PipelineSetup:
     """Check ``raw`` (args.deepspeed) against ``args`` and the world size; return what to run."""
-    from ..runtime.plan import check_precision_and_zero, schedule_options
+    from ..config import split_pipeline_section
     from ..schedules import registry
     config = load_config(raw)
     section = config.get("pipeline")
     if not isinstance(section, dict) or "schedule" not in section:
         raise ValueError(f"the DeepSpeed config's \"pipeline\" section needs a schedule: \"pipeline\": {{\"schedule\": "
                          f"NAME}} with NAME one of {', '.join(sorted(registry.available()))}; got {section!r}")
-    name, options, _ = schedule_options(section)        # unknown schedule or option: a clear error
+    name, options, _ = split_pipeline_section(section)   # unknown schedule or option: a clear error, first
     refuse_ignored_arguments(args)
-    check_precision_and_zero(config)                     # fp16 / ZeRO in the config, as deepspeed.initialize would
     stages = section.get("stages", AUTO)
     stages = world_size if stages == AUTO else stages
     if not isinstance(stages, int) or stages < 1 or world_size % stages:
@@ -150,8 +152,6 @@ def resolve(raw, args, world_size: int) -> PipelineSetup:
         raise ValueError("average_tokens_across_devices=False with data parallelism: the pipeline averages the loss "
                          "over the tokens of the whole global batch; leave it True")
     _batch_keys(config, micro, n, dp, stages, world_size)
-    schedule = registry.get(name)(stages, n, **options)  # the schedule's own limits (e.g. N vs D), now
-    check_precision_and_zero(config, schedule)           # and ZeRO-1 with replicated stages (Chimera)
     clip = float(args.max_grad_norm or 0.0)
     if _concrete(config, "gradient_clipping") is not None and float(config["gradient_clipping"]) != clip:
         raise ValueError(f"the DeepSpeed config's gradient_clipping={config['gradient_clipping']!r} disagrees with "
@@ -160,7 +160,10 @@ def resolve(raw, args, world_size: int) -> PipelineSetup:
     config["gradient_clipping"] = clip
     _agree_precision(config, args)
     _fill_optimizer(config, args)
-    return PipelineSetup(config, name, stages, dp, micro, n, clip, options)
+    # the reconciled config is what runs: parsed once (fp16 / ZeRO, as deepspeed.initialize would refuse them)
+    pipeline = PipelineConfig.from_deepspeed(config, sharding=False)
+    pipeline.build_schedule(stages, n)      # the schedule's own limits (N vs D, ZeRO-1 with replicas), now
+    return PipelineSetup(config, pipeline, name, stages, dp, micro, n, clip, options)
 
 
 def _agree_precision(config: dict, args) -> None:

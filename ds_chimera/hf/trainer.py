@@ -38,6 +38,7 @@ from .export import gather_layer_states, hf_state_dict, load_into
 from .layout import describe
 from .loss import PipelineLoss
 from .optim import EngineScheduler, EngineStepped, torch_optimizer
+from .overrides import refuse_overrides
 from .rng import ComputeRNG
 
 UNSUPPORTED = {"model_init": "pass a model (hyperparameter search re-creates models, which a pipeline cannot)",
@@ -53,8 +54,7 @@ def _world() -> tuple:
 
 def _refuse(cls, model, args, kwargs) -> None:
     """What the constructor cannot honour, before any work."""
-    from .routing import check_overrides
-    check_overrides(cls)
+    refuse_overrides(cls, PipelineTrainer)
     for key, fix in UNSUPPORTED.items():
         if kwargs.get(key) is not None:
             raise ValueError(f"a pipelined Trainer does not take {key}=...; {fix}")

@@ -49,10 +49,10 @@ def _wants_schedule(model, config) -> bool:
     """
     from deepspeed.runtime.pipe.module import PipelineModule
 
-    from ..runtime.plan import wants_schedule
+    from ..config import asks_for_schedule
     if not isinstance(config, dict) or "pipeline" not in config:
         return False
-    wanted = wants_schedule(config.get("pipeline"))
+    wanted = asks_for_schedule(config.get("pipeline"))
     if wanted and not isinstance(model, PipelineModule):
         raise ValueError(f'the DeepSpeed config has a "pipeline" section for ds_chimera '
                          f'({sorted(config["pipeline"])}), but the model is a {type(model).__name__}, not a '
@@ -77,30 +77,58 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         return _initialize_wavelet(original, call, args, model, loaded)
     if not _wants_schedule(model, loaded):
         return original(**call)
+    from ..config import PipelineConfig
+    return _initialize_pipeline(original, call, PipelineConfig.from_deepspeed(loaded), loaded)
+
+
+def initialize_pipeline(pipeline, model, config: dict, optimizer=None, **kwargs):
+    """``deepspeed.initialize(model=model, config=config, ...)`` with ``pipeline`` already parsed from
+    ``config`` (the HF Trainer's path, whose TrainingArguments were reconciled into it)."""
+    import deepspeed
+    original = _ORIGINAL.get("initialize", deepspeed.initialize)
+    call = dict(model=model, config=config, optimizer=optimizer, **kwargs)
+    return _initialize_pipeline(original, call, pipeline, config)
+
+
+def _initialize_pipeline(original, call: dict, pipeline, loaded: dict):
+    """Build the schedule's chunks on the PipelineModule, then DeepSpeed's engine of our class."""
     from ..runtime.engine import ScheduledPipelineEngine
-    from ..runtime.plan import without_auto_batch_keys
     from ..runtime.setup import prepare_module
-    loaded = without_auto_batch_keys(loaded)
-    model_parameters = prepare_module(model, loaded, model_parameters)
-    if (loaded.get("zero_optimization") or {}).get("stage", 0) >= 2:
-        # ds_chimera shards the chunks itself (runtime/sharding.py); DeepSpeed sees stage 0
-        loaded = dict(loaded, zero_optimization={**loaded["zero_optimization"], "stage": 0})
+    model, optimizer, lr_scheduler, args = call["model"], call.get("optimizer"), call.get("lr_scheduler"), \
+        call.get("args")
+    model_parameters = prepare_module(model, pipeline, call.get("model_parameters"))
     rebound = _rebind_optimizer(optimizer, model)
     if rebound is not optimizer and lr_scheduler is not None and not callable(lr_scheduler):
         raise ValueError("ds_chimera rebuilt the optimizer on the schedule's chunks, so a scheduler instance "
                          "bound to the old optimizer would not drive it; pass lr_scheduler as a callable "
                          "(lambda optimizer: ...) or configure it in the DeepSpeed config")
-    call.update(config=loaded, config_params=None, model_parameters=model_parameters, optimizer=rebound)
+    call.update(config=_stock_engine_config(loaded, pipeline), config_params=None,
+                model_parameters=model_parameters, optimizer=rebound)
     if args is not None and (getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)):
         # DeepSpeed refuses a config both in args and as a dict; the dict (already read) wins.
-        args = _without_config_path(args)
-        call["args"] = args
+        call["args"] = _without_config_path(args)
     engine_cls = ScheduledPipelineEngine
     if not model._ds_chimera_plan.schedule.synchronous:
         from ..runtime.async_engine import AsyncPipelineEngine
         engine_cls = AsyncPipelineEngine
     with _engine_class(engine_cls):
         return original(**call)
+
+
+def _stock_engine_config(config: dict, pipeline) -> dict:
+    """The dict DeepSpeed's engine is built from: the user's, with what ds_chimera does itself switched off."""
+    from ..config import without_auto_batch_keys
+    config = dict(without_auto_batch_keys(config))
+    if pipeline.sharded:
+        # ds_chimera shards the chunks itself (runtime/sharding.py); DeepSpeed sees stage 0
+        config["zero_optimization"] = {**config["zero_optimization"], "stage": 0}
+    if pipeline.bf16:
+        # Backward order is the schedule's, not 1F1B's: each parameter's gradient must reach the
+        # fp32 accumulator as it is produced, which is DeepSpeed's immediate_grad_update mode.
+        key = "bf16" if config.get("bf16") else "bfloat16"
+        config[key] = {**config[key], "immediate_grad_update": True}
+    config["gradient_clipping"] = pipeline.clip
+    return config
 
 
 def _wants_wavelet(config) -> bool:

@@ -10,9 +10,9 @@
 - :func:`enable_cpu` lets Megatron-Core's models run on CPU for tests and examples.
 """
 from .checkpoint import load_checkpoint, save_checkpoint, sharded_state_dict
-from .contract import get_forward_backward_func
 from .cpu import causal_mask, enable_cpu
 from .install import install, uninstall
+from .runner import get_forward_backward_func
 from .stages import build_model_chunks, virtual_stages
 
 __all__ = ["get_forward_backward_func", "build_model_chunks", "install", "uninstall", "enable_cpu", "causal_mask",

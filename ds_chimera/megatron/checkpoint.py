@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .contract import _megatron_layout, _unwrap
-from .stages import chosen_options, make_schedule, megatron_stage, pipeline_group
+from .model_chunk import megatron_layout, tagged_stage, unwrap
+from .stages import chosen_config, megatron_stage, pipeline_group
 
 
 def _stage_of(chunk, num_stages: int) -> int:
-    stage = getattr(chunk, "_ds_chimera_stage", getattr(_unwrap(chunk), "_ds_chimera_stage", None))
+    stage = tagged_stage(chunk)
     if stage is None:
-        found = _megatron_layout(_unwrap(chunk), num_stages)
+        found = megatron_layout(unwrap(chunk), num_stages)
         if found is None:
             raise ValueError("cannot tell which stage a model chunk holds: build the chunks with "
                              "ds_chimera.megatron.build_model_chunks, or pass Megatron chunks whose layers carry "
@@ -50,20 +50,20 @@ def sharded_state_dict(model, schedule: str | None = None, **options) -> dict:
     ones the chunks were built for (by default the installed routing's, as build_model_chunks)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedBase
-    schedule, options = chosen_options(schedule, options)
+    config = chosen_config(schedule, options, "sharded_state_dict")
     group = pipeline_group()
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    placement = make_schedule(schedule, size, 4 * size, options).placement
+    placement = config.build_schedule(size, 4 * size).placement
     total = placement.num_stages
     out = {}
     for i, chunk in enumerate(model if isinstance(model, (list, tuple)) else [model]):
         stage = _stage_of(chunk, total)
         holders = sorted(placement.stage_group(stage))
         if rank not in holders:
-            raise ValueError(f"model chunk {i} holds stage {stage}, which schedule {schedule!r} does not put on "
+            raise ValueError(f"model chunk {i} holds stage {stage}, which schedule {config.schedule!r} does not put on "
                              f"pipeline rank {rank}; pass the schedule and options the chunks were built for")
         with megatron_stage(stage, size, total, group):
-            state = _unwrap(chunk).sharded_state_dict()
+            state = unwrap(chunk).sharded_state_dict()
         copy_index = holders.index(rank)
         if copy_index:
             for value in nested_values(state):
@@ -86,4 +86,4 @@ def load_checkpoint(model, checkpoint_dir: str, schedule: str | None = None, str
     model = model if isinstance(model, (list, tuple)) else [model]
     state = dist_checkpointing.load(sharded_state_dict(model, schedule, **options), checkpoint_dir)
     for i, chunk in enumerate(model):
-        _unwrap(chunk).load_state_dict(state[f"model{i}"], strict=strict)
+        unwrap(chunk).load_state_dict(state[f"model{i}"], strict=strict)

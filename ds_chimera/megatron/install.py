@@ -15,50 +15,11 @@ import json
 import os
 import sys
 
-from .contract import get_forward_backward_func
+from ..config import PipelineConfig
+from .choice import ENV_SCHEDULE, chosen_schedule, record_installed
+from .runner import forward_backward_func_for
 
-ENV_SCHEDULE = "DS_CHIMERA_PIPELINE_SCHEDULE"
-ENV_OPTIONS = "DS_CHIMERA_PIPELINE_OPTIONS"
 _STATE: dict = {}
-
-
-def _take_flag(argv: list, flag: str):
-    """Remove ``flag VALUE`` or ``flag=VALUE`` from argv; return VALUE or None."""
-    for i, arg in enumerate(argv):
-        if arg == flag:
-            if i + 1 >= len(argv):
-                raise ValueError(f"{flag} needs a value")
-            value = argv[i + 1]
-            del argv[i:i + 2]
-            return value
-        if arg.startswith(flag + "="):
-            del argv[i]
-            return arg.split("=", 1)[1]
-    return None
-
-
-def _parse_options(text):
-    if text in (None, ""):
-        return {}
-    try:
-        options = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"pipeline schedule options must be a JSON object, got {text!r}: {exc}") from None
-    if not isinstance(options, dict):
-        raise ValueError(f"pipeline schedule options must be a JSON object, got {text!r}")
-    return options
-
-
-def chosen_schedule(argv: list | None = None) -> tuple:
-    """(name, options) from argv (consumed) or the environment; (None, {}) when none is chosen."""
-    argv = sys.argv if argv is None else argv
-    name = _take_flag(argv, "--pipeline-schedule")
-    options = _take_flag(argv, "--pipeline-schedule-options")
-    if name is None:
-        name = os.environ.get(ENV_SCHEDULE) or None
-    if options is None:
-        options = os.environ.get(ENV_OPTIONS)
-    return name, _parse_options(options)
 
 
 def _bound(module):
@@ -90,26 +51,25 @@ def install(schedule: str | None = None, argv: list | None = None, **options):
         options = {**from_args, **options}
     if schedule is None:
         return None
-    get_forward_backward_func(schedule, **options)          # bad name or options: fail now
+    config = PipelineConfig.from_megatron(schedule, options, where="install")   # bad name or options: fail now
     original = _STATE.get("original", schedules.get_forward_backward_func)
     cache: dict = {}
 
     def ds_chimera_get_forward_backward_func(pp_size=None, vp_size=None, **_):
-        chosen = dict(options)
+        chosen = config
         virtual = _virtual_stages(vp_size)
-        from ..schedules import registry
-        if virtual and virtual > 1 and "chunks" in registry.get(schedule).options:
-            chosen.setdefault("chunks", virtual)
-        key = json.dumps(chosen, sort_keys=True)
+        if virtual and virtual > 1:
+            chosen = config.with_default_option("chunks", virtual)
+        key = json.dumps(dict(chosen.options), sort_keys=True)
         if key not in cache:
-            cache[key] = get_forward_backward_func(schedule, **chosen)
+            cache[key] = forward_backward_func_for(chosen)
         return cache[key]
 
     ds_chimera_get_forward_backward_func.ds_chimera_schedule = schedule
     replaced = [f for f in (original, _STATE.get("installed")) if f is not None]   # Megatron's, or our last one
     _STATE["original"] = original
     _STATE["installed"] = ds_chimera_get_forward_backward_func
-    _STATE["choice"] = (schedule, dict(options))
+    record_installed(config)
     for module in list(sys.modules.values()):        # e.g. megatron.training.training imported it by name
         if any(_bound(module) is f for f in replaced):
             setattr(module, "get_forward_backward_func", ds_chimera_get_forward_backward_func)
@@ -126,15 +86,7 @@ def uninstall() -> None:
         if _STATE.get("installed") is not None and _bound(module) is _STATE["installed"]:
             setattr(module, "get_forward_backward_func", _STATE["original"])
     _STATE.pop("installed", None)
-    _STATE.pop("choice", None)
-
-
-def installed_choice():
-    """(schedule, options) of the installed routing (install(), --pipeline-schedule), or (None, {})."""
-    if "choice" in _STATE:
-        return _STATE["choice"]
-    name = os.environ.get(ENV_SCHEDULE) or None
-    return name, (_parse_options(os.environ.get(ENV_OPTIONS)) if name else {})
+    record_installed(None)
 
 
 def install_when_imported() -> None:

@@ -17,7 +17,8 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from ..schedules import registry
+from ..config import PipelineConfig
+from .choice import installed_choice
 
 DEFAULT_SEED = 1234
 
@@ -46,18 +47,14 @@ def pipeline_group():
     return dist.group.WORLD
 
 
-def make_schedule(name: str, stages: int, micro_batches: int, options: dict):
-    """The named schedule, refusing asynchronous ones: Megatron's contract steps outside the function."""
-    return registry.checked(name, options, caller_steps=True)(stages, micro_batches, **options)
-
-
 def virtual_stages(schedule: str, pipeline_size: int, **options):
     """Megatron's ``virtual_pipeline_model_parallel_size`` for a schedule's placement (None for one).
 
     The model config needs it so that Megatron's layer offsets cut the model into the
     schedule's stages: 2 for zbv and dualpipev, V for interleaved and breadth-first.
     """
-    placement = make_schedule(schedule, pipeline_size, 4 * pipeline_size, options).placement
+    config = PipelineConfig.from_megatron(schedule, options, where="virtual_stages")
+    placement = config.build_schedule(pipeline_size, 4 * pipeline_size).placement
     per_rank = placement.num_stages // pipeline_size
     return per_rank if per_rank > 1 else None
 
@@ -104,46 +101,44 @@ def _call_provider(model_provider, pre_process: bool, post_process: bool, vp_sta
     return model_provider(**kwargs)
 
 
-def chosen_options(schedule: str | None, options: dict) -> tuple:
+def chosen_config(schedule: str | None, options: dict, where: str) -> PipelineConfig:
     """The schedule and options to build for: the ones given, else the installed routing's
     (``install()``, ``--pipeline-schedule[-options]``), else 1f1b; a looped schedule's ``chunks``
     defaults to Megatron's virtual-pipeline size, as the installed routing does."""
-    from .install import installed_choice
-    installed, installed_options = installed_choice()
+    installed = installed_choice()
     if schedule is None:
-        schedule = installed or "1f1b"
-    if schedule == installed:        # the routing's own keys (timeout) are not the schedule's options
-        own = registry.get(schedule).options
-        options = {**{k: v for k, v in installed_options.items() if k in own}, **options}
-    if "chunks" in registry.get(schedule).options and "chunks" not in options:
-        try:
-            from megatron.core import parallel_state
-            virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-        except Exception:      # Megatron not initialised: the schedule's default
-            virtual = None
-        if virtual and virtual > 1:
-            options = {**options, "chunks": virtual}
-    return schedule, options
+        schedule = installed.schedule if installed is not None else "1f1b"
+    if installed is not None and schedule == installed.schedule:
+        options = {**installed.options, **options}
+    config = PipelineConfig.from_megatron(schedule, options, where=where)
+    try:
+        from megatron.core import parallel_state
+        virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    except Exception:      # Megatron not initialised: the schedule's default
+        virtual = None
+    if virtual and virtual > 1:
+        config = config.with_default_option("chunks", virtual)
+    return config
 
 
 def build_model_chunks(model_provider, schedule: str | None = None, *, micro_batches: int | None = None,
                        seed: int = DEFAULT_SEED, **options) -> list:
     """This rank's model chunks for ``schedule``, in the order the forward-backward function expects.
 
-    ``schedule`` and ``options`` default to the installed routing's (see :func:`chosen_options`),
+    ``schedule`` and ``options`` default to the installed routing's (see :func:`chosen_config`),
     so a Megatron launch with ``--pipeline-schedule NAME`` builds what it will run.
     ``micro_batches`` only matters to schedules whose placement depends on it (none built in).
     Each chunk is built under ``torch.manual_seed(seed + stage)`` and tagged with its stage and
     what it was built for.
     """
-    schedule, options = chosen_options(schedule, options)
+    config = chosen_config(schedule, options, "build_model_chunks")
     group = pipeline_group()
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    sched = make_schedule(schedule, size, micro_batches or 4 * size, options)
-    placement = sched.placement
+    placement = config.build_schedule(size, micro_batches or 4 * size).placement
     total = placement.num_stages
     if total % size:
-        raise ValueError(f"schedule {schedule!r} has {total} stages, not a multiple of the pipeline size {size}")
+        raise ValueError(f"schedule {config.schedule!r} has {total} stages, not a multiple of the pipeline size "
+                         f"{size}")
     chunks = []
     for c in placement.chunks_on(rank):
         stage = placement.chunks[c].stage
@@ -151,7 +146,7 @@ def build_model_chunks(model_provider, schedule: str | None = None, *, micro_bat
             torch.manual_seed(seed + stage)
             chunk = _call_provider(model_provider, stage == 0, stage == total - 1, vp_stage)
         chunk._ds_chimera_stage = stage
-        chunk._ds_chimera_built_for = (schedule, dict(options))
+        chunk._ds_chimera_built_for = (config.schedule, dict(config.options))
         chunks.append(chunk)
     _broadcast_replicas(chunks, placement, rank, group)
     return chunks

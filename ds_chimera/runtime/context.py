@@ -6,7 +6,7 @@ differs between hosts is behind this protocol, implemented by:
 - :class:`~ds_chimera.runtime.host.PipelineHost`: the DeepSpeed engine's (synchronous);
 - :class:`~ds_chimera.runtime.async_engine.AsyncPipelineHost`: the asynchronous engine's
   (weight versions, one stage's step inside the pipeline);
-- ``ds_chimera.megatron.contract.MegatronHost``: Megatron-Core's forward-backward contract;
+- ``ds_chimera.megatron.host.MegatronHost``: Megatron-Core's forward-backward contract;
 - :class:`~ds_chimera.runtime.local.LocalHost`: every rank in one process (tests, studies).
 
 The backward itself (full, input-grad, weight-grad) is autograd over what the forward

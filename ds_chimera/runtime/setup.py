@@ -7,12 +7,13 @@ from torch import nn
 
 from ..logs import get_logger
 from ..schedules.actions import split_chunks
-from .plan import check_precision_and_zero, make_plan
+from ..config import PipelineConfig
+from .plan import make_plan
 
 log = get_logger()
 
 
-def prepare_module(module, config: dict, model_parameters):
+def prepare_module(module, config: PipelineConfig, model_parameters):
     """Validate the schedule, build this rank's chunks and replace the stock stage's layers.
 
     Returns the parameters the optimizer should see. Raises ValueError for a bad schedule,
@@ -38,25 +39,17 @@ def prepare_module(module, config: dict, model_parameters):
             return list(module.parts)          # the user's own cut, whatever method made it
         return partition(module, num_parts, method or _infer_method(module, num_stages))
 
-    check_precision_and_zero(config, sharding=True)
     plan = make_plan(config, num_stages, dp, len(module._layer_specs), parts_fn)
-    check_precision_and_zero(config, plan.schedule, sharding=True)
-    zero = (config.get("zero_optimization") or {}).get("stage", 0)
+    zero = config.zero_stage
     if zero == 1:
         _refuse_cross_rank_ties(module, plan)
     if zero >= 2:
         _refuse_ties_under_sharding(module, zero)
     if not plan.schedule.synchronous:
         _check_async_setup(module, plan, config, zero)
-    bf16 = config.get("bf16") or config.get("bfloat16") or {}
-    if bf16.get("enabled"):
-        # Backward order is the schedule's, not 1F1B's: each parameter's gradient must reach the
-        # fp32 accumulator as it is produced, which is DeepSpeed's immediate_grad_update mode.
-        bf16["immediate_grad_update"] = True
     device = get_accelerator().device_name(module.local_rank)
     checkpoint_func = _checkpoint_function(module, plan)
-    interval = (config.get("pipeline") or {}).get("activation_checkpoint_interval",
-                                                  module.activation_checkpoint_interval)
+    interval = _checkpoint_interval(module, config)
     module.activation_checkpoint_interval = interval
     chunks, tied = build_chunks(module, plan.placement, grid.get_stage_id(), plan.parts, device,
                                 interval, checkpoint_func)
@@ -98,23 +91,28 @@ def _refuse_ties_under_sharding(module, zero: int) -> None:
                          f"a tied weight would belong to two chunks' shards; untie them or use ZeRO stage 0/1")
 
 
-def _check_async_setup(module, plan, config: dict, zero: int) -> None:
+def _checkpoint_interval(module, config: PipelineConfig) -> int:
+    """The "pipeline" section's activation_checkpoint_interval, else the PipelineModule's own."""
+    if config.activation_checkpoint_interval is not None:
+        return config.activation_checkpoint_interval
+    return module.activation_checkpoint_interval
+
+
+def _check_async_setup(module, plan, config: PipelineConfig, zero: int) -> None:
     """What asynchronous schedules cannot do yet, refused before any step."""
     from deepspeed.runtime.pipe.module import TiedLayerSpec
     name = plan.schedule.name
     if any(isinstance(spec, TiedLayerSpec) for spec in module._layer_specs):
         raise ValueError(f"schedule {name!r} updates each stage on its own clock, so weights tied across layers "
                          f"(TiedLayerSpec) would diverge between their stages; untie them or use a synchronous schedule")
-    interval = (config.get("pipeline") or {}).get("activation_checkpoint_interval",
-                                                  module.activation_checkpoint_interval)
+    interval = _checkpoint_interval(module, config)
     if interval:
         raise ValueError(f"schedule {name!r} with activation_checkpoint_interval={interval}: recomputation in the "
                          f"backward would see the live weights, not the version the forward used; set it to 0")
     if zero:
         raise ValueError(f"schedule {name!r} with ZeRO stage {zero}: weight prediction and stashing need each "
                          f"stage's full optimizer state; use ZeRO stage 0")
-    bf16 = config.get("bf16") or config.get("bfloat16") or {}
-    if bf16.get("enabled") and plan.schedule.weight_policy == "predict" and module._grid.data_parallel_size > 1:
+    if config.bf16 and plan.schedule.weight_policy == "predict" and module._grid.data_parallel_size > 1:
         raise ValueError(f"schedule {name!r} with bf16 and data parallelism: DeepSpeed's BF16_Optimizer shards the "
                          f"fp32 master weights over data-parallel ranks, and weight prediction needs whole ones; "
                          f"use data-parallel size 1, fp32, or a stashing schedule (pipedream, pipedream-2bw)")

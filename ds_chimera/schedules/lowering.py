@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from .actions import (ACT, BACKWARD_KINDS, FORWARD, GRAD, GRADIENT_KINDS, STEP, Action, ClipGrads, ClipScope,
                       CommBatch, GradSync, Message, OptimizerStep, SyncWait)
 from .placement import Placement
+from .program_io import dump_program, parse_program
 
 
 @dataclass
@@ -41,14 +42,12 @@ class Program:
 
     def dump(self, path=None) -> str:
         """The program as text (see :mod:`.program_io`); written atomically to ``path`` if given."""
-        from .program_io import dump_program
         return dump_program(self, path)
 
     @staticmethod
     def load(source) -> "Program":
         """A program from a file path or from the text :meth:`dump` wrote."""
-        from .program_io import load_program
-        return load_program(source)
+        return Program(**parse_program(source))
 
     def __str__(self) -> str:
         return self.dump()

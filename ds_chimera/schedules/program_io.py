@@ -35,7 +35,7 @@ def _ints(values) -> str:
 
 
 def dump_program(program, path=None) -> str:
-    """The text of ``program``; written atomically to ``path`` if given."""
+    """The text of ``program`` (a :class:`~.lowering.Program`); written atomically to ``path`` if given."""
     placement = program.placement
     lines = [f"{MAGIC} {VERSION}", f"name {program.name}", f"synchronous {str(program.synchronous).lower()}",
              f"ranks {placement.num_ranks}", f"stages {placement.num_stages}"]
@@ -53,9 +53,11 @@ def dump_program(program, path=None) -> str:
     return text
 
 
-def load_program(source):
-    """A Program from a path or from program text. Errors name the line."""
-    from .lowering import Program
+def parse_program(source) -> dict:
+    """The fields of a Program (keyword arguments of its constructor) from a path or from program text.
+
+    Errors name the line. :meth:`Program.load <.lowering.Program.load>` builds the Program.
+    """
     if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source
                                            and os.path.exists(source)):
         with open(source) as fh:
@@ -106,4 +108,5 @@ def load_program(source):
     if len(ops) != placement.num_ranks:
         raise ValueError(f"{where}: {len(ops)} rank sections for {placement.num_ranks} ranks")
     weights = [float(w) for w in header["weights"].split(",")] if "weights" in header else None
-    return Program(header["name"], placement, ops, header["synchronous"] == "true", weights)
+    return {"name": header["name"], "placement": placement, "ops": ops, "synchronous": header["synchronous"] == "true",
+            "weights": weights}

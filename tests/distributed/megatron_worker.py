@@ -15,6 +15,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import ds_chimera.megatron as dsm  # noqa: E402
+from ds_chimera.config import PipelineConfig  # noqa: E402
 from ds_chimera.megatron.stages import megatron_stage, pipeline_group  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -106,7 +107,7 @@ def run_case(schedule, options, pp, loss_form, rank, world, grads="grad"):
     group = pipeline_group()
     dp, dp_rank = world // pp, parallel_state.get_data_parallel_rank()
     fb = dsm.get_forward_backward_func(schedule, timeout=60, **options)
-    sched = dsm.contract.make_schedule(schedule, pp, N, options)
+    sched = PipelineConfig.from_megatron(schedule, options).build_schedule(pp, N)
     total = sched.placement.num_stages
     vpp = total // pp if total > pp else None
     config = gpt_config(pp, vpp)

@@ -1,0 +1,202 @@
+"""Megatron-Core's forward-backward contract, run by ds_chimera's lowered schedules.
+
+``get_forward_backward_func("chimera")`` returns a function that Megatron's training loop can
+call where it calls ``megatron.core.pipeline_parallel.get_forward_backward_func()``'s. The
+same :class:`~ds_chimera.runtime.executor.StepExecutor` as the DeepSpeed engine runs the
+rank's lowered program; only the chunk call and the loss follow Megatron's conventions
+(:class:`~.host.MegatronHost`):
+
+- before each forward the chunk gets its input through ``set_input_tensor``, then
+  ``forward_step_func(data_iterator, chunk)`` returns ``(output, loss_func)``;
+- on a loss stage ``loss_func(output)`` returns ``(loss, reduced)`` (loss divided by the
+  number of micro-batches) or ``(loss, num_tokens, reduced)`` (divided by the tokens too,
+  unless ``config.calculate_per_token_loss``), exactly as Megatron does;
+- the function returns the ``reduced`` dicts in micro-batch order on the last pipeline rank
+  and ``[]`` elsewhere, as Megatron's schedules do, wherever the schedule computes the loss
+  (Chimera on two ranks, zbv on rank 0: :mod:`.loss_exchange`); the loss is divided in place,
+  as Megatron does, so a dict holding a view of it reports what Megatron's own schedule would;
+- after the backward it calls ``config.finalize_model_grads_func`` as Megatron does. The
+  gradient sync a schedule adds (Chimera's replicas) is done here, in the bubbles.
+
+Micro-batch ``mb`` is the ``mb``-th item of the chunk's data iterator, whatever order the
+schedule runs it in. Every iterator a forward reads from advances by exactly
+``num_microbatches`` per call. Communication goes through ``torch.distributed`` with the
+pipeline group's ranks: gloo on CPU, NCCL on GPU. The chunks are checked before the first
+forward (:mod:`.chunk_checks`).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from ..runtime import faults
+from ..runtime.executor import StepExecutor
+from ..runtime.groups import PipelineGroups
+from ..runtime.p2p import P2P, wait_or_fail
+from ..config import DEFAULT_TIMEOUT_S, PipelineConfig
+from ..runtime.plan import proven_programs
+from .chunk_checks import check_chunks, check_split_backward
+from .host import MegatronHost, MicroBatchFeed
+from .loss_exchange import start_loss_exchange
+from .model_chunk import model_config
+from .stages import pipeline_group
+
+
+def _pipeline_groups(placement, pp_ranks: list, nccl: bool, timeout_s: float) -> PipelineGroups:
+    """The replica (and NCCL edge) groups of every pipeline group of the world, each within its pipeline."""
+    replicated = [s for s in range(placement.num_stages) if len(placement.stage_group(s)) > 1]
+    if not replicated and not nccl:
+        return PipelineGroups(placement, [pp_ranks], 0, timeout_s, stages=[])
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, list(pp_ranks))
+    pipelines = sorted({tuple(r) for r in everyone})
+    return PipelineGroups(placement, pipelines, pipelines.index(tuple(pp_ranks)), timeout_s, stages=replicated,
+                          nccl_edges=nccl)
+
+
+class ScheduleRunner:
+    """One schedule behind Megatron's contract; caches programs and groups per pipeline shape."""
+
+    def __init__(self, config: PipelineConfig):
+        self.config = config
+        self.name, self.options, self.timeout_s = config.schedule, dict(config.options), config.timeout_s
+        self._programs: dict = {}
+        self._comms: dict = {}
+        self._shapes: dict = {}
+        self.rank = None
+        self.p2p = None
+        self.groups = None
+
+    def _schedule(self, size: int, num_microbatches: int):
+        key = (size, num_microbatches)
+        if key not in self._programs:
+            schedule = self.config.build_schedule(size, num_microbatches)
+            self._programs[key] = (schedule, *proven_programs(schedule))
+        return self._programs[key]
+
+    def _communication(self, schedule, group, device):
+        ranks = (dist.get_process_group_ranks(group) if group is not dist.group.WORLD
+                 else list(range(dist.get_world_size())))
+        key = (tuple(ranks), tuple(map(tuple, schedule.placement.stage_ranks)), str(device))
+        if key not in self._comms:
+            nccl = dist.get_backend(group) != "gloo"
+            groups = _pipeline_groups(schedule.placement, ranks, nccl, self.timeout_s)
+            p2p = P2P(lambda p: ranks[p], device, len(schedule.placement.chunks), self.timeout_s, groups.edges)
+            p2p.shape_hint = "set variable_seq_lengths=True in the model's config (Megatron's switch for this)"
+            self._comms[key] = (groups, p2p)
+        return self._comms[key]
+
+    def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
+                 decoder_seq_length=None, forward_only=False, collect_non_loss_data=False, first_val_step=None,
+                 adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None, force_all_reduce=False):
+        # seq_length, micro_batch_size, decoder_seq_length, adjust_tensor_shapes_fn: Megatron needs them to
+        # size its receive buffers; ds_chimera's messages carry their shapes. first_val_step is for FP8.
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+        if collect_non_loss_data and not forward_only:
+            raise ValueError("collect_non_loss_data=True needs forward_only=True (Megatron collects it in evaluation)")
+        group = pg_collection.pp if pg_collection is not None and getattr(pg_collection, "pp", None) is not None \
+            else pipeline_group()
+        size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        schedule, program, eval_program = self._schedule(size, num_microbatches)
+        placement = schedule.placement
+        local = placement.chunks_on(self.rank)
+        check_chunks(chunks, local, placement, self.name, self.options, self.rank)
+        sources = self._sources(data_iterator, len(chunks))
+        feeds, shared = [], {}
+        for source in sources:
+            if source is None:
+                feeds.append(None)
+            else:
+                feeds.append(shared.setdefault(id(source), MicroBatchFeed(source, num_microbatches)))
+        device = next((p.device for chunk in chunks for p in chunk.parameters()), torch.device("cpu"))
+        self.groups, self.p2p = self._communication(schedule, group, device)
+        config = model_config(chunks[0])
+        # as Megatron: fixed shapes (one header per edge) unless the config says they vary
+        self.p2p.dynamic_shapes = bool(getattr(config, "variable_seq_lengths", False))
+        train = not forward_only
+        step = MegatronHost(self, schedule, chunks, feeds, config, forward_step_func, num_microbatches,
+                            collect_non_loss_data, train)
+        if train:
+            check_split_backward(schedule, config, self.rank)
+        shapes = (seq_length, micro_batch_size, decoder_seq_length)
+        if shapes != self._shapes.get(id(self.p2p)):
+            # Megatron sizes its buffers from these arguments: new ones may mean new tensor shapes
+            self.p2p.sent_meta.clear()
+            self.p2p.recv_meta.clear()
+            self._shapes[id(self.p2p)] = shapes
+        scale = 1.0
+        if train and config.grad_scale_func is not None:
+            scale = config.grad_scale_func(torch.ones(1, device=device))
+        step.grad_scale = scale
+        with faults.guard(f"forward_backward_func ({self.name}, {'train' if train else 'forward only'})",
+                          self.timeout_s):
+            return self._run(step, program if train else eval_program, train, scale, config, chunks, shared,
+                             placement, group, device, pg_collection, force_all_reduce)
+
+    def _run(self, step, program, train, scale, config, chunks, feeds, placement, group, device, pg_collection,
+             force_all_reduce):
+        """One call's work, after every check: the program, the loss exchange, Megatron's gradient finalisation."""
+        no_sync = config.no_sync_func if train and config.no_sync_func is not None else contextlib.nullcontext
+        with contextlib.ExitStack() as stack:
+            for func in (no_sync if isinstance(no_sync, list) else [no_sync]):
+                stack.enter_context(func())
+            StepExecutor(step).run(program.ops[self.rank], train=train, scale=scale, device=device)
+        for feed in feeds.values():
+            feed.finish()
+        finish_losses = start_loss_exchange(step.reduced, placement, group, device, self.rank, self.timeout_s)
+        if train:
+            num_tokens = None
+            if getattr(config, "calculate_per_token_loss", False):
+                # tokens are counted wherever a loss stage ran (two ranks under Chimera)
+                total = step.num_tokens.to(device)        # NCCL reduces device tensors only
+                wait_or_fail(lambda: dist.all_reduce(total, group=group, async_op=True), self.timeout_s,
+                             "the token-count all-reduce")
+                num_tokens = total
+            if config.finalize_model_grads_func is not None:
+                config.finalize_model_grads_func(chunks, num_tokens, pg_collection=pg_collection,
+                                                 force_all_reduce=force_all_reduce)
+        return finish_losses()
+
+    @staticmethod
+    def _sources(data_iterator, count: int) -> list:
+        if isinstance(data_iterator, (list, tuple)):
+            if len(data_iterator) != count:
+                raise ValueError(f"data_iterator is a list of {len(data_iterator)} iterators, but this rank has "
+                                 f"{count} model chunk(s); give one per chunk (Megatron's convention) or one in all")
+            return list(data_iterator)
+        return [data_iterator] * count
+
+
+def get_forward_backward_func(schedule: str = "1f1b", *, timeout: float = DEFAULT_TIMEOUT_S, **options):
+    """A function with Megatron-Core's forward-backward contract that runs ``schedule``.
+
+    ``options`` are the schedule's own (``chunks=V`` for interleaved and breadth-first,
+    ``pipelines`` for chimera...). ``timeout`` (seconds) bounds every wait on a peer: a dead
+    rank becomes a clear error. Bad names and options fail here, before any step.
+    """
+    return forward_backward_func_for(PipelineConfig.from_megatron(schedule, {**options, "timeout": timeout}))
+
+
+def forward_backward_func_for(config: PipelineConfig):
+    """:func:`get_forward_backward_func` for an already parsed configuration."""
+    runner = ScheduleRunner(config)
+
+    def forward_backward_func(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+                              micro_batch_size, decoder_seq_length=None, forward_only=False,
+                              collect_non_loss_data=False, first_val_step=None, adjust_tensor_shapes_fn=None,
+                              p2p_communicator=None, pg_collection=None, force_all_reduce=False):
+        return runner(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                      num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                      decoder_seq_length=decoder_seq_length, forward_only=forward_only,
+                      collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+                      adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
+                      pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+    forward_backward_func.schedule = config.schedule
+    forward_backward_func.options = dict(config.options)
+    forward_backward_func.config = config
+    return forward_backward_func
