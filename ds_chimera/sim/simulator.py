@@ -12,10 +12,13 @@ and completes ``allreduce`` after its last member posts (its data-parallel copie
 the program, post alike); a SYNC_WAIT waits for it. A global CLIP is a collective of every
 rank (their norms are summed). Ranks are advanced by an event-driven worklist, so the cost
 is linear in the number of ops.
+
+Each op type has one handler in :class:`_Simulation` (its time, its checks, whether the rank
+must wait), as each has one in the executor's ``StepRun``: an op kind is one handler in each.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from ..schedules.actions import (BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, Action, ClipGrads, ClipScope,
@@ -82,301 +85,362 @@ def simulate(program: Program, costs: Costs = Costs(), chunks_per_rank: int = 1,
 
 def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: int,
               data_parallel: int) -> SimResult:
-    placement = program.placement
-    num_ranks = placement.num_ranks
-    size = placement.size
-    chunk_rank = [c.rank for c in placement.chunks]
-    chunk_stage = [c.stage for c in placement.chunks]
-    chunk_replica = [c.replica for c in placement.chunks]
-    nxt = [placement.next_chunk(c) for c in range(len(chunk_rank))]
-    prv = [placement.prev_chunk(c) for c in range(len(chunk_rank))]
-    mb_replica = placement.mb_replica
-    num_mbs = len(mb_replica)
-    cost_of = {k: costs.of(k) * size for k in (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)}
-    cost_of[STEP] = costs.step * size
+    sim = _Simulation(program, costs, max_errors, data_parallel)
+    sim.run()
+    return sim.result(chunks_per_rank)
 
-    errors: list = []
 
-    def error(msg):
-        if len(errors) < max_errors:
-            errors.append(msg)
+_F, _B, _I, _W, _S = range(5)       # the compute kinds, as _action tells them apart
 
-    nch = len(chunk_rank)
-    # end time of each (kind, chunk, mb), flat-indexed chunk * N + mb; None until it has run
-    f_end, b_end, i_end, w_end, s_end = ([None] * (nch * num_mbs) for _ in range(5))
-    ends = {FORWARD: f_end, BACKWARD: b_end, INPUT_GRAD: i_end, WEIGHT_GRAD: w_end, STEP: s_end}
-    got_act, got_grad = bytearray(nch * num_mbs), bytearray(nch * num_mbs)   # received by the consumer
-    messages: dict = {}                 # Message -> arrival time
-    edge_sent: dict = {}                # (kind, src, dst) -> micro-batches in send order
-    edge_recv: dict = {}                # ... in receive order: NCCL matches them by order
-    routed = [placement.micro_batches_of(c.replica) for c in placement.chunks]
-    stage_chunks_on = [{} for _ in range(num_ranks)]
-    for c in placement.chunks:
-        stage_chunks_on[c.rank].setdefault(c.stage, []).append(c.index)
-    msg_waiter: dict = {}
-    sync_posts: dict = {}               # (stage, k) -> {rank: time}
-    sync_groups: dict = {}              # (stage, k) -> ranks
-    sync_waiters: dict = {}
-    posted = [dict() for _ in range(num_ranks)]    # stage -> times posted by this rank
-    own_syncs = [[] for _ in range(num_ranks)]     # keys posted by rank, not yet awaited
-    clip_round = [0] * num_ranks                   # global clips each rank has reached
-    clip_posted = [-1] * num_ranks                 # op index of the rank's current global clip
-    clip_arrivals: dict = {}                       # clip round -> {rank: arrival time}
-    stepped = [set() for _ in range(num_ranks)]    # chunks each rank stepped with an OptimizerStep
-    sharded = any(type(op) is Gather for ops in program.ops for op in ops)
-    resident = [dict() for _ in range(num_ranks)]  # sharded: chunk -> time its gathered weights are there
-    gathers, gathered_peak = [0] * num_ranks, [0.0] * num_ranks
-    group_orders: dict = {}             # (group, rank) -> stages in posting order
 
-    pc = [0] * num_ranks
-    clock = [0.0] * num_ranks
-    busy = [0.0] * num_ranks
-    live = [0.0] * num_ranks
-    peak = [0.0] * num_ranks
-    sends_posted = [-1] * num_ranks
-    records: list = []
-    sync_records: list = []
-    work = deque(range(num_ranks))
-    queued = [True] * num_ranks
+class _Simulation:
+    """The state of one simulation, and one handler per op type (as the executor's ``StepRun``).
 
-    def wake(rank):
-        if not queued[rank]:
-            queued[rank] = True
-            work.append(rank)
+    A handler takes (rank, the op's index, the op, the rank's clock) and returns the rank's clock
+    after the op, or None where the rank must wait: it has then saved the clock and registered the
+    rank as a waiter, and the worklist takes the rank up again at the same op once it is woken.
+    """
 
-    def sync_done_time(key):
-        posts = sync_posts[key]
-        if len(posts) < len(sync_groups[key]):
-            return None
-        return max(posts.values()) + (costs.allreduce if len(posts) * data_parallel > 1 else 0.0)
+    __slots__ = ("program", "costs", "data_parallel", "max_errors", "placement", "num_ranks", "size",
+                 "chunk_rank", "chunk_stage", "chunk_replica", "nxt", "prv", "mb_replica", "num_mbs", "nch",
+                 "kinds", "errors", "f_end", "b_end", "i_end", "w_end", "got_act", "got_grad",
+                 "messages", "edge_sent", "edge_recv", "routed", "stage_chunks_on", "msg_waiter", "sync_posts",
+                 "sync_groups", "sync_waiters", "posted", "own_syncs", "clip_round", "clip_posted",
+                 "clip_arrivals", "stepped", "sharded", "resident", "gathers", "gathered_peak", "group_orders",
+                 "pc", "clock", "busy", "live", "peak", "sends_posted", "records", "sync_records", "work",
+                 "queued")
 
-    while work:
-        r = work.popleft()
-        queued[r] = False
-        ops = program.ops[r]
-        i, t = pc[r], clock[r]
-        while i < len(ops):
-            op = ops[i]
-            if type(op) is Action:
-                kind, c, mb = op
-                if not (0 <= c < nch) or not (0 <= mb < num_mbs):
-                    error(f"rank {r}: {op} names an unknown chunk or micro-batch")
-                    i += 1
-                    continue
-                if chunk_rank[c] != r:
-                    error(f"rank {r}: runs {op} but chunk {c} lives on rank {chunk_rank[c]}")
-                if chunk_replica[c] != mb_replica[mb]:
-                    error(f"rank {r}: {op}: micro-batch {mb} does not flow through chunk {c}")
-                idx = c * num_mbs + mb
-                mine = ends[kind] if kind in ends else None
-                if mine is None:
-                    error(f"rank {r}: unknown action kind {kind!r}")
-                    i += 1
-                    continue
-                if mine[idx] is not None:
-                    error(f"rank {r}: {op} runs twice")
-                if sharded:
-                    ready = resident[r].get(c)
-                    if ready is None:
-                        error(f"rank {r}: {op} computes without chunk {c}'s weights (no GATHER, or after RELEASE)")
-                    elif ready > t:
-                        t = ready
-                if kind == FORWARD:
-                    p = prv[c]
-                    if p is not None:
-                        if f_end[p * num_mbs + mb] is None:
-                            error(f"rank {r}: {op} runs before the forward of chunk {p}")
-                        elif chunk_rank[p] != r and not got_act[idx]:
-                            error(f"rank {r}: {op} runs without receiving its activation")
-                    live[r] += size
-                    if live[r] > peak[r]:
-                        peak[r] = live[r]
-                elif kind == BACKWARD or kind == INPUT_GRAD:
-                    if f_end[idx] is None:
-                        error(f"rank {r}: {op} runs before its forward")
-                    n = nxt[c]
-                    if n is not None:
-                        nidx = n * num_mbs + mb
-                        if b_end[nidx] is None and i_end[nidx] is None:
-                            error(f"rank {r}: {op} runs before the backward of chunk {n}")
-                        elif chunk_rank[n] != r and not got_grad[idx]:
-                            error(f"rank {r}: {op} runs without receiving its gradient")
-                    if kind == BACKWARD:
-                        live[r] -= size
-                elif kind == WEIGHT_GRAD:
-                    if i_end[idx] is None:
-                        error(f"rank {r}: {op} runs before its input-grad")
-                    live[r] -= size
-                else:   # STEP: one chunk's optimizer step, after a SYNC_WAIT of its stage
-                    if b_end[idx] is None and w_end[idx] is None:
-                        error(f"rank {r}: {op} steps before micro-batch {mb}'s gradient exists")
-                    unawaited = [key for key in own_syncs[r] if key[0] == chunk_stage[c]]
-                    if unawaited:
-                        error(f"rank {r}: {op} steps while the gradient sync of stage {chunk_stage[c]} is "
-                              f"still pending (no SYNC_WAIT before it)")
-                t += costs.dispatch
-                dt = cost_of[kind]
-                records.append((r, kind, c, mb, t, t + dt))
-                t += dt
-                busy[r] += dt
-                mine[idx] = t
-            elif type(op) is CommBatch:
-                if sends_posted[r] != i:
-                    sends_posted[r] = i
-                    for m in op.sends:
-                        mkind, src, dst, mb = m
-                        if chunk_rank[src] != r:
-                            error(f"rank {r}: sends {m} but chunk {src} lives on rank {chunk_rank[src]}")
-                        sidx = src * num_mbs + mb
-                        ready = f_end[sidx] is not None if mkind == "act" else \
-                            (b_end[sidx] is not None or i_end[sidx] is not None)
-                        if not ready:
-                            error(f"rank {r}: sends {m} before computing it")
-                        if m in messages:
-                            error(f"rank {r}: sends {m} twice")
-                        t += costs.send
-                        messages[m] = t + costs.comm
-                        edge_sent.setdefault((mkind, src, dst), []).append(mb)
-                        waiter = msg_waiter.pop(m, None)
-                        if waiter is not None:
-                            wake(waiter)
-                missing = None
-                for m in op.recvs:
-                    if m not in messages:
-                        missing = m
-                        break
-                if missing is not None:
-                    msg_waiter[missing] = r
+    def __init__(self, program: Program, costs: Costs, max_errors: int, data_parallel: int):
+        self.program, self.costs, self.data_parallel, self.max_errors = program, costs, data_parallel, max_errors
+        placement = self.placement = program.placement
+        num_ranks = self.num_ranks = placement.num_ranks
+        size = self.size = placement.size
+        self.chunk_rank = [c.rank for c in placement.chunks]
+        self.chunk_stage = [c.stage for c in placement.chunks]
+        self.chunk_replica = [c.replica for c in placement.chunks]
+        nch = self.nch = len(self.chunk_rank)
+        self.nxt = [placement.next_chunk(c) for c in range(nch)]
+        self.prv = [placement.prev_chunk(c) for c in range(nch)]
+        self.mb_replica = placement.mb_replica
+        num_mbs = self.num_mbs = len(self.mb_replica)
+        self.errors: list = []
+        # end time of each (kind, chunk, mb), flat-indexed chunk * N + mb; None until it has run
+        self.f_end, self.b_end, self.i_end, self.w_end, s_end = ([None] * (nch * num_mbs) for _ in range(5))
+        # compute kind -> (its end times, its time on a chunk, its code for _action's branches)
+        self.kinds = {FORWARD: (self.f_end, costs.of(FORWARD) * size, _F),
+                      BACKWARD: (self.b_end, costs.of(BACKWARD) * size, _B),
+                      INPUT_GRAD: (self.i_end, costs.of(INPUT_GRAD) * size, _I),
+                      WEIGHT_GRAD: (self.w_end, costs.of(WEIGHT_GRAD) * size, _W), STEP: (s_end, costs.step * size, _S)}
+        self.got_act, self.got_grad = bytearray(nch * num_mbs), bytearray(nch * num_mbs)   # received by the consumer
+        self.messages: dict = {}            # Message -> arrival time
+        self.edge_sent = defaultdict(list)  # (kind, src, dst) -> micro-batches in send order
+        self.edge_recv = defaultdict(list)  # ... in receive order: NCCL matches them by order
+        self.routed = [placement.micro_batches_of(c.replica) for c in placement.chunks]
+        self.stage_chunks_on = [{} for _ in range(num_ranks)]
+        for c in placement.chunks:
+            self.stage_chunks_on[c.rank].setdefault(c.stage, []).append(c.index)
+        self.msg_waiter: dict = {}
+        self.sync_posts: dict = {}          # (stage, k) -> {rank: time}
+        self.sync_groups: dict = {}         # (stage, k) -> ranks
+        self.sync_waiters: dict = {}
+        self.posted = [dict() for _ in range(num_ranks)]     # stage -> times posted by this rank
+        self.own_syncs = [[] for _ in range(num_ranks)]      # keys posted by rank, not yet awaited
+        self.clip_round = [0] * num_ranks                    # global clips each rank has reached
+        self.clip_posted = [-1] * num_ranks                  # op index of the rank's current global clip
+        self.clip_arrivals: dict = {}                        # clip round -> {rank: arrival time}
+        self.stepped = [set() for _ in range(num_ranks)]     # chunks each rank stepped with an OptimizerStep
+        self.sharded = any(type(op) is Gather for ops in program.ops for op in ops)
+        self.resident = [dict() for _ in range(num_ranks)]   # sharded: chunk -> time its gathered weights are there
+        self.gathers, self.gathered_peak = [0] * num_ranks, [0.0] * num_ranks
+        self.group_orders: dict = {}        # (group, rank) -> stages in posting order
+        self.pc = [0] * num_ranks
+        self.clock = [0.0] * num_ranks
+        self.busy = [0.0] * num_ranks
+        self.live = [0.0] * num_ranks
+        self.peak = [0.0] * num_ranks
+        self.sends_posted = [-1] * num_ranks
+        self.records: list = []
+        self.sync_records: list = []
+        self.work = deque(range(num_ranks))
+        self.queued = [True] * num_ranks
+
+    def handlers(self) -> dict:
+        """Op type -> its handler, as the executor's ``StepRun.handlers`` (built per run: no reference cycle)."""
+        return {Action: self._action, CommBatch: self._comm, GradSync: self._grad_sync, SyncWait: self._sync_wait,
+                ClipGrads: self._clip, OptimizerStep: self._step, Gather: self._gather, Release: self._release}
+
+    def error(self, msg) -> None:
+        if len(self.errors) < self.max_errors:
+            self.errors.append(msg)
+
+    def wake(self, rank) -> None:
+        if not self.queued[rank]:
+            self.queued[rank] = True
+            self.work.append(rank)
+
+    def run(self) -> None:
+        """Advance the ranks, each as far as it can go, until every rank is done or waits (the event-driven worklist)."""
+        handlers, unknown = self.handlers(), self._unknown
+        program_ops, pc, clock, queued, work = self.program.ops, self.pc, self.clock, self.queued, self.work
+        while work:
+            r = work.popleft()
+            queued[r] = False
+            ops = program_ops[r]
+            t = clock[r]
+            # a for loop, not a while: its backward jump is what lets CPython 3.11 specialise this one call
+            for i in range(pc[r], len(ops)):
+                op = ops[i]
+                try:
+                    handler = handlers[type(op)]
+                except KeyError:
+                    handler = unknown
+                t = handler(r, i, op, t)
+                if t is None:       # it waits at op i; the handler saved its clock
+                    pc[r] = i
                     break
-                for m in op.recvs:
-                    if chunk_rank[m.dst] != r:
-                        error(f"rank {r}: receives {m} but chunk {m.dst} lives on rank {chunk_rank[m.dst]}")
-                    edge_recv.setdefault((m.kind, m.src, m.dst), []).append(m.mb)
-                    flags = got_act if m.kind == "act" else got_grad
-                    ridx = m.dst * num_mbs + m.mb
-                    if flags[ridx]:
-                        error(f"rank {r}: receives {m} twice")
-                    flags[ridx] = 1
-                    if messages[m] > t:
-                        t = messages[m]
-                    t += costs.recv
-            elif type(op) is GradSync:
-                # a synchronous program syncs a stage once, after all its backwards; an asynchronous
-                # one syncs before every step, which checks its own micro-batch's backward
-                for c in stage_chunks_on[r].get(op.stage, ()) if program.synchronous else ():
-                    for mb in routed[c]:
-                        idx = c * num_mbs + mb
-                        if b_end[idx] is None and w_end[idx] is None:
-                            error(f"rank {r}: posts the gradient sync of stage {op.stage} before the backward "
-                                  f"of micro-batch {mb} on chunk {c}")
-                            break
-                t += costs.sync_post          # the all-reduce is under way once its post returns
-                times = posted[r].setdefault(op.stage, [])
-                skey = (op.stage, len(times))
-                times.append(t)
-                group = tuple(op.ranks)
-                group_orders.setdefault((group, r), []).append(op.stage)
-                if r not in group:
-                    error(f"rank {r}: posts the sync of stage {op.stage} for group {group} it is not in")
-                known = sync_groups.setdefault(skey, group)
-                if known != group:
-                    error(f"rank {r}: sync of stage {op.stage} over {group}, others use {known}")
-                sync_posts.setdefault(skey, {})[r] = t
-                own_syncs[r].append(skey)
-                if sync_done_time(skey) is not None:
-                    for waiter in sync_waiters.pop(skey, ()):
-                        wake(waiter)
-            elif type(op) is SyncWait:
-                pending = None
-                finish = t
-                waited = [key for key in own_syncs[r] if key[0] in op.stages]
-                for skey in waited:
-                    when = sync_done_time(skey)
-                    if when is None:
-                        pending = skey
-                        break
-                    finish = max(finish, when)
-                if pending is not None:
-                    sync_waiters.setdefault(pending, []).append(r)
-                    break
-                for skey in waited:
-                    sync_records.append((r, skey[0], sync_posts[skey][r], sync_done_time(skey)))
-                own_syncs[r] = [key for key in own_syncs[r] if key[0] not in op.stages]
-                t = finish
-            elif type(op) is ClipGrads:
-                if op.scope == ClipScope.GLOBAL:
-                    # a collective of every rank: the squared norms are summed over the pipeline
-                    if clip_posted[r] != i:         # first visit: this rank arrives
-                        clip_posted[r] = i
-                        clip_round[r] += 1
-                        arrived = clip_arrivals.setdefault(clip_round[r], {})
-                        arrived[r] = t
-                        if len(arrived) == num_ranks:
-                            for other in range(num_ranks):
-                                wake(other)
-                    arrived = clip_arrivals[clip_round[r]]
-                    if len(arrived) < num_ranks:
-                        break
-                    t = max(t, max(arrived.values()) + costs.clip)
-                elif op.stage not in stage_chunks_on[r]:
-                    error(f"rank {r}: clips stage {op.stage}, which it does not hold")
-            elif type(op) is Gather:
-                if not 0 <= op.chunk < nch or chunk_rank[op.chunk] != r:
-                    error(f"rank {r}: gathers chunk {op.chunk}, which it does not hold")
-                elif op.chunk in resident[r]:
-                    error(f"rank {r}: gathers chunk {op.chunk} while its weights are already gathered")
-                else:
-                    t += costs.gather_post
-                    # posted: it overlaps what follows, and ends ``gather`` after the later peer's post
-                    resident[r][op.chunk] = t + costs.gather_skew + costs.gather * size
-                    gathers[r] += 1
-                    gathered_peak[r] = max(gathered_peak[r], len(resident[r]) * size)
-            elif type(op) is Release:
-                if resident[r].pop(op.chunk, None) is None:
-                    error(f"rank {r}: releases chunk {op.chunk}, whose weights are not gathered")
-            elif type(op) is OptimizerStep:
-                for c in op.chunks:
-                    if not 0 <= c < nch or chunk_rank[c] != r:
-                        error(f"rank {r}: steps chunk {c}, which it does not hold")
-                t += costs.step * size * len(op.chunks)
-                stepped[r].update(op.chunks)
-                if own_syncs[r]:
-                    error(f"rank {r}: steps the optimizer while the gradient syncs of stages "
-                          f"{sorted({key[0] for key in own_syncs[r]})} are still pending (no SYNC_WAIT before it)")
             else:
-                error(f"rank {r}: unknown op {op!r}")
-            i += 1
-        pc[r], clock[r] = i, t
+                pc[r], clock[r] = len(ops), t
 
-    deadlock = {}
-    for r in range(num_ranks):
-        if pc[r] < len(program.ops[r]):
-            deadlock[r] = _describe_wait(program, r, pc[r], messages, sync_posts, sync_groups)
-    if not deadlock:
-        _check_complete(placement, ends, num_mbs, error)
-        for edge, order in edge_sent.items():
-            if edge_recv.get(edge, []) != order:
-                error(f"messages {edge[0]} {edge[1]}->{edge[2]} are received in another order than sent "
-                      f"({edge_recv.get(edge, [])[:6]} vs {order[:6]}); NCCL would pair them wrongly")
-        if program.synchronous:
-            for r in range(num_ranks):
-                never = sorted(set(placement.chunks_on(r)) - stepped[r])
-                if never:
-                    error(f"rank {r} never steps the optimizer on chunks {never} (a synchronous program ends "
-                          f"with SYNC_WAIT, CLIP and STEP)")
-                for stage in stage_chunks_on[r]:
-                    if len(placement.stage_group(stage)) > 1 and not posted[r].get(stage):
-                        error(f"rank {r} never posts the gradient sync of replicated stage {stage}")
-        for (group, r), stages in group_orders.items():
-            for other in group:
-                if group_orders.get((group, other), []) != stages:
-                    error(f"ranks {r} and {other} post the syncs of group {group} in different orders")
+    def result(self, chunks_per_rank: int) -> SimResult:
+        program, placement, clock = self.program, self.placement, self.clock
+        deadlock = {}
+        for r in range(self.num_ranks):
+            if self.pc[r] < len(program.ops[r]):
+                deadlock[r] = _describe_wait(program, r, self.pc[r], self.messages, self.sync_posts,
+                                             self.sync_groups)
+        if not deadlock:
+            _check_complete(self)
+        costs, sharded = self.costs, self.sharded
+        return SimResult(program.name, self.num_ranks, self.num_mbs, chunks_per_rank, max(clock) if clock else 0.0,
+                         self.num_mbs * (costs.fwd + costs.bwd), self.busy, self.peak,
+                         program.weights or placement.weights_per_rank(), self.errors, deadlock, self.records,
+                         self.sync_records, self.gathers if sharded else [], self.gathered_peak if sharded else [])
+
+    # ---- compute ------------------------------------------------------------------------------
+    def _action(self, r, i, op, t):
+        kind, c, mb = op
+        num_mbs = self.num_mbs
+        if not (0 <= c < self.nch) or not (0 <= mb < num_mbs):
+            self.error(f"rank {r}: {op} names an unknown chunk or micro-batch")
+            return t
+        chunk_rank = self.chunk_rank
+        if chunk_rank[c] != r:
+            self.error(f"rank {r}: runs {op} but chunk {c} lives on rank {chunk_rank[c]}")
+        if self.chunk_replica[c] != self.mb_replica[mb]:
+            self.error(f"rank {r}: {op}: micro-batch {mb} does not flow through chunk {c}")
+        idx = c * num_mbs + mb
+        try:
+            mine, dt, code = self.kinds[kind]
+        except KeyError:
+            self.error(f"rank {r}: unknown action kind {kind!r}")
+            return t
+        if mine[idx] is not None:
+            self.error(f"rank {r}: {op} runs twice")
+        if self.sharded:
+            ready = self.resident[r].get(c)
+            if ready is None:
+                self.error(f"rank {r}: {op} computes without chunk {c}'s weights (no GATHER, or after RELEASE)")
+            elif ready > t:
+                t = ready
+        if code == _F:
+            p = self.prv[c]
+            if p is not None:
+                if self.f_end[p * num_mbs + mb] is None:
+                    self.error(f"rank {r}: {op} runs before the forward of chunk {p}")
+                elif chunk_rank[p] != r and not self.got_act[idx]:
+                    self.error(f"rank {r}: {op} runs without receiving its activation")
+            live = self.live
+            live[r] += self.size
+            if live[r] > self.peak[r]:
+                self.peak[r] = live[r]
+        elif code == _B or code == _I:
+            if self.f_end[idx] is None:
+                self.error(f"rank {r}: {op} runs before its forward")
+            n = self.nxt[c]
+            if n is not None:
+                nidx = n * num_mbs + mb
+                if self.b_end[nidx] is None and self.i_end[nidx] is None:
+                    self.error(f"rank {r}: {op} runs before the backward of chunk {n}")
+                elif chunk_rank[n] != r and not self.got_grad[idx]:
+                    self.error(f"rank {r}: {op} runs without receiving its gradient")
+            if code == _B:
+                self.live[r] -= self.size
+        elif code == _W:
+            if self.i_end[idx] is None:
+                self.error(f"rank {r}: {op} runs before its input-grad")
+            self.live[r] -= self.size
+        else:   # STEP: one chunk's optimizer step, after a SYNC_WAIT of its stage
+            if self.b_end[idx] is None and self.w_end[idx] is None:
+                self.error(f"rank {r}: {op} steps before micro-batch {mb}'s gradient exists")
+            stage = self.chunk_stage[c]
+            for key in self.own_syncs[r]:
+                if key[0] == stage:
+                    self.error(f"rank {r}: {op} steps while the gradient sync of stage {stage} is "
+                               f"still pending (no SYNC_WAIT before it)")
                     break
+        t += self.costs.dispatch
+        self.records.append((r, kind, c, mb, t, t + dt))
+        t += dt
+        self.busy[r] += dt
+        mine[idx] = t
+        return t
 
-    ideal = num_mbs * (costs.fwd + costs.bwd)
-    return SimResult(program.name, num_ranks, num_mbs, chunks_per_rank, max(clock) if clock else 0.0,
-                     ideal, busy, peak, program.weights or placement.weights_per_rank(), errors, deadlock, records,
-                     sync_records, gathers if sharded else [], gathered_peak if sharded else [])
+    # ---- communication --------------------------------------------------------------------------
+    def _comm(self, r, i, op, t):
+        """Sends posted (once, even if the rank then waits), then receives awaited."""
+        chunk_rank = self.chunk_rank
+        num_mbs = self.num_mbs
+        messages = self.messages
+        if self.sends_posted[r] != i:
+            self.sends_posted[r] = i
+            costs = self.costs
+            for m in op.sends:
+                mkind, src, dst, mb = m
+                if chunk_rank[src] != r:
+                    self.error(f"rank {r}: sends {m} but chunk {src} lives on rank {chunk_rank[src]}")
+                sidx = src * num_mbs + mb
+                ready = self.f_end[sidx] is not None if mkind == "act" else \
+                    (self.b_end[sidx] is not None or self.i_end[sidx] is not None)
+                if not ready:
+                    self.error(f"rank {r}: sends {m} before computing it")
+                if m in messages:
+                    self.error(f"rank {r}: sends {m} twice")
+                t += costs.send
+                messages[m] = t + costs.comm
+                self.edge_sent[(mkind, src, dst)].append(mb)
+                waiter = self.msg_waiter.pop(m, None)
+                if waiter is not None:
+                    self.wake(waiter)
+        recvs = op.recvs
+        for m in recvs:
+            if m not in messages:
+                self.msg_waiter[m] = r
+                self.clock[r] = t
+                return None
+        recv = self.costs.recv
+        for m in recvs:
+            kind, src, dst, mb = m
+            if chunk_rank[dst] != r:
+                self.error(f"rank {r}: receives {m} but chunk {dst} lives on rank {chunk_rank[dst]}")
+            self.edge_recv[(kind, src, dst)].append(mb)
+            flags = self.got_act if kind == "act" else self.got_grad
+            ridx = dst * num_mbs + mb
+            if flags[ridx]:
+                self.error(f"rank {r}: receives {m} twice")
+            flags[ridx] = 1
+            arrival = messages[m]
+            if arrival > t:
+                t = arrival
+            t += recv
+        return t
+
+    # ---- the step's end: syncs, clipping, the optimizer ----------------------------------------
+    def sync_done_time(self, key):
+        posts = self.sync_posts[key]
+        if len(posts) < len(self.sync_groups[key]):
+            return None
+        return max(posts.values()) + (self.costs.allreduce if len(posts) * self.data_parallel > 1 else 0.0)
+
+    def _grad_sync(self, r, i, op, t):
+        # a synchronous program syncs a stage once, after all its backwards; an asynchronous
+        # one syncs before every step, which checks its own micro-batch's backward
+        num_mbs, b_end, w_end = self.num_mbs, self.b_end, self.w_end
+        for c in self.stage_chunks_on[r].get(op.stage, ()) if self.program.synchronous else ():
+            for mb in self.routed[c]:
+                idx = c * num_mbs + mb
+                if b_end[idx] is None and w_end[idx] is None:
+                    self.error(f"rank {r}: posts the gradient sync of stage {op.stage} before the backward "
+                               f"of micro-batch {mb} on chunk {c}")
+                    break
+        t += self.costs.sync_post          # the all-reduce is under way once its post returns
+        times = self.posted[r].setdefault(op.stage, [])
+        skey = (op.stage, len(times))
+        times.append(t)
+        group = tuple(op.ranks)
+        self.group_orders.setdefault((group, r), []).append(op.stage)
+        if r not in group:
+            self.error(f"rank {r}: posts the sync of stage {op.stage} for group {group} it is not in")
+        known = self.sync_groups.setdefault(skey, group)
+        if known != group:
+            self.error(f"rank {r}: sync of stage {op.stage} over {group}, others use {known}")
+        self.sync_posts.setdefault(skey, {})[r] = t
+        self.own_syncs[r].append(skey)
+        if self.sync_done_time(skey) is not None:
+            for waiter in self.sync_waiters.pop(skey, ()):
+                self.wake(waiter)
+        return t
+
+    def _sync_wait(self, r, i, op, t):
+        finish = t
+        waited = [key for key in self.own_syncs[r] if key[0] in op.stages]
+        for skey in waited:
+            when = self.sync_done_time(skey)
+            if when is None:
+                self.sync_waiters.setdefault(skey, []).append(r)
+                self.clock[r] = t
+                return None
+            finish = max(finish, when)
+        for skey in waited:
+            self.sync_records.append((r, skey[0], self.sync_posts[skey][r], self.sync_done_time(skey)))
+        self.own_syncs[r] = [key for key in self.own_syncs[r] if key[0] not in op.stages]
+        return finish
+
+    def _clip(self, r, i, op, t):
+        if op.scope == ClipScope.GLOBAL:
+            # a collective of every rank: the squared norms are summed over the pipeline
+            num_ranks = self.num_ranks
+            if self.clip_posted[r] != i:         # first visit: this rank arrives
+                self.clip_posted[r] = i
+                self.clip_round[r] += 1
+                arrived = self.clip_arrivals.setdefault(self.clip_round[r], {})
+                arrived[r] = t
+                if len(arrived) == num_ranks:
+                    for other in range(num_ranks):
+                        self.wake(other)
+            arrived = self.clip_arrivals[self.clip_round[r]]
+            if len(arrived) < num_ranks:
+                self.clock[r] = t
+                return None
+            t = max(t, max(arrived.values()) + self.costs.clip)
+        elif op.stage not in self.stage_chunks_on[r]:
+            self.error(f"rank {r}: clips stage {op.stage}, which it does not hold")
+        return t
+
+    def _step(self, r, i, op, t):
+        for c in op.chunks:
+            if not 0 <= c < self.nch or self.chunk_rank[c] != r:
+                self.error(f"rank {r}: steps chunk {c}, which it does not hold")
+        t += self.costs.step * self.size * len(op.chunks)
+        self.stepped[r].update(op.chunks)
+        if self.own_syncs[r]:
+            self.error(f"rank {r}: steps the optimizer while the gradient syncs of stages "
+                       f"{sorted({key[0] for key in self.own_syncs[r]})} are still pending (no SYNC_WAIT before it)")
+        return t
+
+    # ---- sharded data parallelism: a chunk's weights gathered where the program says --------------
+    def _gather(self, r, i, op, t):
+        resident = self.resident[r]
+        if not 0 <= op.chunk < self.nch or self.chunk_rank[op.chunk] != r:
+            self.error(f"rank {r}: gathers chunk {op.chunk}, which it does not hold")
+        elif op.chunk in resident:
+            self.error(f"rank {r}: gathers chunk {op.chunk} while its weights are already gathered")
+        else:
+            costs = self.costs
+            t += costs.gather_post
+            # posted: it overlaps what follows, and ends ``gather`` after the later peer's post
+            resident[op.chunk] = t + costs.gather_skew + costs.gather * self.size
+            self.gathers[r] += 1
+            self.gathered_peak[r] = max(self.gathered_peak[r], len(resident) * self.size)
+        return t
+
+    def _release(self, r, i, op, t):
+        if self.resident[r].pop(op.chunk, None) is None:
+            self.error(f"rank {r}: releases chunk {op.chunk}, whose weights are not gathered")
+        return t
+
+    def _unknown(self, r, i, op, t):
+        self.error(f"rank {r}: unknown op {op!r}")
+        return t
 
 
 def _describe_wait(program, rank, index, messages, sync_posts, sync_groups) -> str:
@@ -396,8 +460,10 @@ def _describe_wait(program, rank, index, messages, sync_posts, sync_groups) -> s
     return f"stuck at op {index}: {op!r}"
 
 
-def _check_complete(placement, ends, num_mbs, error) -> None:
-    f_end, b_end, i_end, w_end = ends[FORWARD], ends[BACKWARD], ends[INPUT_GRAD], ends[WEIGHT_GRAD]
+def _check_complete(sim: _Simulation) -> None:
+    """The checks of a program that ran to its end: every micro-batch's work, message order, steps, syncs."""
+    placement, num_mbs, error = sim.placement, sim.num_mbs, sim.error
+    f_end, b_end, i_end, w_end = sim.f_end, sim.b_end, sim.i_end, sim.w_end
     for mb, replica in enumerate(placement.mb_replica):
         for c in placement.routes[replica]:
             idx = c * num_mbs + mb
@@ -409,3 +475,21 @@ def _check_complete(placement, ends, num_mbs, error) -> None:
                 error(f"micro-batch {mb} runs both a full and a split backward on chunk {c}")
             elif not full and not all(split):
                 error(f"micro-batch {mb} never completes its backward on chunk {c}")
+    for edge, order in sim.edge_sent.items():
+        if sim.edge_recv.get(edge, []) != order:
+            error(f"messages {edge[0]} {edge[1]}->{edge[2]} are received in another order than sent "
+                  f"({sim.edge_recv.get(edge, [])[:6]} vs {order[:6]}); NCCL would pair them wrongly")
+    if sim.program.synchronous:
+        for r in range(sim.num_ranks):
+            never = sorted(set(placement.chunks_on(r)) - sim.stepped[r])
+            if never:
+                error(f"rank {r} never steps the optimizer on chunks {never} (a synchronous program ends "
+                      f"with SYNC_WAIT, CLIP and STEP)")
+            for stage in sim.stage_chunks_on[r]:
+                if len(placement.stage_group(stage)) > 1 and not sim.posted[r].get(stage):
+                    error(f"rank {r} never posts the gradient sync of replicated stage {stage}")
+    for (group, r), stages in sim.group_orders.items():
+        for other in group:
+            if sim.group_orders.get((group, other), []) != stages:
+                error(f"ranks {r} and {other} post the syncs of group {group} in different orders")
+                break
