@@ -5,8 +5,8 @@ deferred weight-grads), because schedules other than 1F1B reorder backwards free
 stock engine's single ``self.loss`` / ``self.grad_layer`` cannot express that. Everything
 host-specific (the chunk call, data, loss, syncs, clipping, the optimizer) goes through
 the :class:`~.context.ExecutionContext`. Adding an op kind: a tuple in
-``schedules/actions.py``, its place in ``lowering.py``, its timing in the simulator, and
-one handler in :class:`StepRun`.
+``schedules/actions.py``, its place in ``lowering.py``, one handler in the simulator's table
+(``sim/simulator.py: _Simulation.handlers``) and one in :class:`StepRun`'s.
 """
 from __future__ import annotations
 
