@@ -91,6 +91,16 @@ class PipelineConfig:
         """ZeRO-2/3: ds_chimera shards each chunk's weights, gradients and optimizer state itself."""
         return self.zero_stage >= 2
 
+    @property
+    def global_norm(self) -> bool:
+        """Whether each synchronous step computes the global gradient norm, a collective of every rank.
+
+        Where the stock engine has one: to clip (``gradient_clipping`` > 0), or with bf16, whose
+        optimizer reports its norm every step. Unclipped fp32 reports none (``get_global_grad_norm()``
+        is None, as DeepSpeed's), and ZeRO-1's optimizer computes its own.
+        """
+        return self.zero_stage != 1 and (self.clip > 0 or self.bf16)
+
     def schedule_class(self):
         from .schedules import registry
         if self.schedule == PROGRAM:

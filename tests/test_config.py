@@ -155,6 +155,7 @@ engine, *_ = deepspeed.initialize(model=net, config=config, model_parameters=net
 assert engine.plan.config.timeout_s == 60.0, engine.plan.config
 loss = engine.train_batch(iter([(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(2)]))
 assert torch.isfinite(loss)
+assert engine.get_global_grad_norm() is None     # unclipped fp32: no norm, as DeepSpeed's stock engine
 print("CALLS", calls)
 '''
 
@@ -168,3 +169,22 @@ def test_initialize_parses_the_config_once_and_passes_the_typed_value_down(tmp_p
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     calls = [line for line in proc.stdout.splitlines() if line.startswith("CALLS")]
     assert calls == ["CALLS ['parse', 'prepare_module', 'make_plan']"], proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("extra,norm", [
+    ({}, False),                                                  # unclipped fp32: no norm, as the stock engine
+    ({"gradient_clipping": 1.0}, True),                           # to clip
+    ({"bf16": {"enabled": True}}, True),                          # BF16_Optimizer reports it every step
+    ({"gradient_clipping": 1.0, "zero_optimization": {"stage": 1}}, False),   # ZeRO-1 clips inside its step
+    ({"gradient_clipping": 1.0, "zero_optimization": {"stage": 3}}, True),
+])
+def test_the_step_meets_for_a_global_norm_only_where_one_is_used(extra, norm):
+    from ds_chimera.runtime.plan import make_plan
+    from ds_chimera.schedules.actions import ClipGrads, ClipScope
+    from ds_chimera.sim import simulate
+    cfg = parse({"schedule": "zbv"}, **extra)
+    assert cfg.global_norm is norm
+    plan = make_plan(cfg, 4, 1, 16, lambda stages, method: [2 * i for i in range(stages + 1)])
+    clips = [op for ops in plan.program.ops for op in ops if type(op) is ClipGrads and op.scope == ClipScope.GLOBAL]
+    assert len(clips) == (4 if norm else 0)
+    assert simulate(plan.program).valid

@@ -37,6 +37,7 @@ from ..runtime.groups import PipelineGroups
 from ..runtime.p2p import P2P, wait_or_fail
 from ..config import DEFAULT_TIMEOUT_S, PipelineConfig
 from ..runtime.plan import proven_programs
+from ..schedules.lowering import without_global_clip
 from .chunk_checks import check_chunks, check_split_backward
 from .host import MegatronHost, MicroBatchFeed
 from .loss_exchange import start_loss_exchange
@@ -73,7 +74,9 @@ class ScheduleRunner:
         key = (size, num_microbatches)
         if key not in self._programs:
             schedule = self.config.build_schedule(size, num_microbatches)
-            self._programs[key] = (schedule, *proven_programs(schedule))
+            program, eval_program = proven_programs(schedule)
+            # Megatron's optimizer clips over its own groups after the call: no global CLIP here
+            self._programs[key] = (schedule, without_global_clip(program), eval_program)
         return self._programs[key]
 
     def _communication(self, schedule, group, device):

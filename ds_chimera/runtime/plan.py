@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..config import PipelineConfig
 from ..schedules.actions import FORWARD
 from ..schedules.base import Schedule
-from ..schedules.lowering import Program, lower
+from ..schedules.lowering import Program, lower, without_global_clip
 from ..sim.simulator import simulate
 
 
@@ -81,6 +81,8 @@ def make_plan(config: PipelineConfig, num_stages: int, dp: int, num_layers: int,
     if config.sharded:
         program, eval_program = sharded_programs(program, eval_program, config.zero_stage,
                                                  config.reshard_after_forward)
+    if schedule.synchronous and not config.global_norm:
+        program = without_global_clip(program)
     parts = parts_fn(schedule.placement.num_stages, config.partition_method)
     return Plan(schedule, program, eval_program, parts, config)
 
