@@ -457,7 +457,7 @@ def megatron_contract_step(name, options, n, specs, world, rank, data):
     from torch import nn
 
     import ds_chimera.megatron as dsm
-    from ds_chimera.megatron.stages import make_schedule
+    from ds_chimera.schedules.lowering import without_global_clip
 
     class TimedChunk(nn.Module):
         def __init__(self, layers, stage):
@@ -472,14 +472,14 @@ def megatron_contract_step(name, options, n, specs, world, rank, data):
 
     from timed_model import stage_layers
 
-    schedule = make_schedule(name, world, n, options)
+    forward_backward = dsm.get_forward_backward_func(name, **options)
+    schedule = forward_backward.config.build_schedule(world, n)
     placement = schedule.placement
     last = placement.num_stages - 1
     chunks = []
     for c in placement.chunks_on(rank):
         stage = placement.chunks[c].stage
         chunks.append(TimedChunk(stage_layers(specs, stage, placement.num_stages), stage))
-    forward_backward = dsm.get_forward_backward_func(name, **options)
     opt = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=1e-3)
     batch = data(n)
     mse = nn.MSELoss()
@@ -494,7 +494,7 @@ def megatron_contract_step(name, options, n, specs, world, rank, data):
                          num_microbatches=n, seq_length=1, micro_batch_size=MICRO)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return step, schedule.lower()
+    return step, without_global_clip(schedule.lower())     # the program the contract runs (Megatron clips)
 
 
 def torch_pipelining_step(name, n, specs, world, rank, data):
