@@ -21,7 +21,6 @@ In the same run: ds_chimera's synchronous 1f1b with the same N, and DeepSpeed's 
 TrainSchedule (1F1B) with N = 8 and with the same N, per micro-batch. AdamW everywhere, so
 the prediction's cost is in the numbers. The last line is a JSON object with every row.
 """
-import argparse
 import itertools
 import os
 import shutil
@@ -30,9 +29,9 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from ranks import launch, report, save_rows  # noqa: E402
-from schedules import (COST_S, LAYERS, calibrate, ds_config, init_timed_model, median_step,  # noqa: E402
-                       p2p_latency, random_batches, timed_engine)
+from harness import (COST_S, LAYERS, WIDTH, TimedLayer, benchmark_parser, calibrate, ds_config,  # noqa: E402
+                     init_timed_model, launch, median_step, p2p_latency, random_batches, report, save_rows,
+                     timed_engine)
 
 OURS = [("pipeoptim", {"fill": "continuous"}), ("pipedream", {"fill": "continuous"}),
         ("pipeoptim", {}), ("spectrain", {}), ("pipedream", {}), ("pipedream-2bw", {}), ("1f1b", {})]
@@ -44,7 +43,6 @@ def worker(args):
 
     import ds_chimera  # noqa: F401
     from ds_chimera.sim import Costs, simulate
-    from timed_model import WIDTH, TimedLayer
 
     rank, world, layer_s, specs = init_timed_model()
     latency = p2p_latency(dist, torch, rank)
@@ -124,11 +122,7 @@ def worker(args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--micro-batches", type=int, nargs="+")
-    parser.add_argument("--repeats", type=int)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--out", default="benchmarks/async_schedules_results.json")
     parser.add_argument("--only", nargs="+", help="rows to run, e.g. 'pipeoptim fill=continuous' 1f1b")
     args = parser.parse_args()

@@ -5,7 +5,7 @@
 
 Four CPU ranks (gloo). Every rank's share of the model costs F = I = W = 20 ms per
 micro-batch (8 timed layers, 2 per rank; 1 per chunk for 2-chunk schedules; a cost-free
-entry layer first, see ``timed_model``). For each
+entry layer first, see ``harness.TimedLayer``). For each
 schedule it prints the median step time over ideal = N * (F + I + W), and the simulator's
 prediction for the same program: with nominal costs, "calibrated" (the layers' measured costs
 and the ping-pong latency) and "full" (also the latency to a rank that has been waiting, the
@@ -20,7 +20,6 @@ For each N every row is built first, then the rows take turns, one step each per
 a burst of load on the shared host hits them alike.
 The last line is a JSON object with every row.
 """
-import argparse
 import os
 import statistics
 import sys
@@ -28,10 +27,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from ranks import launch, report, save_rows  # noqa: E402
-COST_S = 0.020
-LAYERS = 8
-MICRO = 1
+from harness import (COST_S, LAYERS, MICRO, WIDTH, TimedLayer, benchmark_parser, calibrate, ds_config,  # noqa: E402
+                     init_timed_model, label, launch, median_steps_in_turn, p2p_host_costs, p2p_latency,
+                     p2p_waiting_latency, process_groups, random_batches, release_groups, report, save_rows,
+                     stage_layers, timed_engine)
 
 OURS = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"chunks": 2}), ("breadth-first", {"chunks": 2}),
         ("chimera", {"order": "concat"}), ("chimera", {"order": "merged"}), ("chimera", {"order": "forward-doubling"}),
@@ -50,10 +49,6 @@ def wanted(args, text: str) -> bool:
     return not args.only or any(text.startswith(prefix) for prefix in args.only)
 
 
-def label(name, options):
-    return name + ("" if not options else " " + ",".join(f"{k}={v}" for k, v in options.items()))
-
-
 def worker(args):
     import torch
     import torch.distributed as dist
@@ -62,9 +57,6 @@ def worker(args):
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
     from ds_chimera.sim import Costs, simulate
-
-    sys.path.insert(0, HERE)
-    from timed_model import WIDTH, TimedLayer
 
     rank, world, layer_s, specs = init_timed_model()
     rows = []
@@ -181,175 +173,6 @@ def worker(args):
     save_rows(dist, rows, args.out)
 
 
-def process_groups() -> set:
-    """The process groups that exist now (torch's registry of them)."""
-    from torch.distributed import distributed_c10d as c10d
-    return set(c10d._world.pg_map)
-
-
-def release_groups(dist, keep: set) -> None:
-    """Destroy every process group created since ``keep`` was taken, on every rank in one order.
-
-    An engine that lives on, even idle, slows the others' steps: its gloo groups keep their
-    threads (``tools/idle_engines.py`` measured 1-5% beside 25 idle engines). Each N's rows are
-    released before the next N's are built, so they do not pile up across N.
-    """
-    import gc
-
-    from torch.distributed import distributed_c10d as c10d
-    for group in [g for g in c10d._world.pg_map if g not in keep and g is not c10d.GroupMember.WORLD]:
-        dist.destroy_process_group(group)
-    gc.collect()
-
-
-def random_batches(torch, width: int, n: int) -> list:
-    """n (input, target) micro-batches of the timed model."""
-    return [(torch.randn(MICRO, width), torch.randn(MICRO, width)) for _ in range(n)]
-
-
-def median_steps_in_turn(dist, steps: list, repeats: int) -> list:
-    """Median wall time of each of ``steps`` on all ranks, after one warm-up round.
-
-    The steps take turns, one call each per round, so a burst of load on this shared host
-    hits every row alike instead of whichever row was running then.
-    """
-    for step in steps:
-        step()
-    times = [[] for _ in steps]
-    for _ in range(repeats):
-        for i, step in enumerate(steps):
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            dist.barrier()
-            times[i].append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
-
-
-def median_step(dist, step, repeats: int) -> float:
-    """Median wall time of ``step`` on all ranks (barriers around each), after one warm-up call."""
-    return median_steps_in_turn(dist, [step], repeats)[0]
-
-
-def init_timed_model(device_per_group: bool = False):
-    """Join the gloo process group and build the timed model's layer specs.
-
-    Every gloo group of the process shares one transport device (``gloo_transport``), unless
-    ``device_per_group`` (torch's default). Returns (rank, world size, seconds per timed
-    layer and op, specs): every rank's share of the LAYERS timed layers costs COST_S per op,
-    behind the cost-free entry layer.
-    """
-    import torch.distributed as dist
-
-    import deepspeed
-    from deepspeed.pipe import LayerSpec
-    from gloo_transport import share_one_device
-    from timed_model import model_specs
-
-    if not device_per_group:
-        share_one_device()
-    deepspeed.init_distributed(dist_backend="gloo")
-    world = dist.get_world_size()
-    layer_s = COST_S * world / LAYERS
-    return dist.get_rank(), world, layer_s, model_specs(LayerSpec, layer_s, LAYERS)
-
-
-def timed_engine(specs: list, config: dict, module_cls=None, optimizer=None):
-    """A DeepSpeed engine of the timed model: ``specs`` cut uniformly over every rank, MSE loss,
-    SGD (lr 1e-3) unless ``optimizer``. With ds_chimera imported, ``config``'s "pipeline" key
-    picks the schedule; without it DeepSpeed's own engine runs."""
-    import torch
-    import torch.distributed as dist
-
-    import deepspeed
-    from deepspeed.pipe import PipelineModule
-
-    net = (module_cls or PipelineModule)(layers=specs, num_stages=dist.get_world_size(), loss_fn=torch.nn.MSELoss(),
-                                         partition_method="uniform")
-    engine, _, _, _ = deepspeed.initialize(model=net, config=config,
-                                           optimizer=optimizer or (lambda p: torch.optim.SGD(p, lr=1e-3)))
-    return engine
-
-
-def ds_config(n: int, schedule=None, trace_dir=None) -> dict:
-    """DeepSpeed config for N micro-batches, with ds_chimera's ``(name, options)`` schedule if given."""
-    cfg = {"train_batch_size": n * MICRO, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10 ** 9,
-           "gradient_clipping": 0.0}
-    if schedule:
-        cfg["pipeline"] = {"schedule": schedule[0], **schedule[1]}
-        if trace_dir:
-            cfg["pipeline"]["trace_dir"] = trace_dir
-    return cfg
-
-
-def calibrate(torch, layer_cls, layer_s, layers_per_rank, width, repeats=15):
-    """Measured F, I and W of one rank's share of timed layers (sleep overshoot, autograd cost).
-
-    One layer is timed alone, single process, and scaled by the layers per rank. The
-    simulator is fed these, so measured/simulated isolates the runtime's own overhead.
-    """
-    layer = layer_cls(layer_s, layer_s, layer_s)
-    f_t, i_t, w_t = [], [], []
-    for _ in range(repeats):
-        x = torch.randn(1, width, requires_grad=True)
-        start = time.perf_counter()
-        y = layer(x)
-        mid = time.perf_counter()
-        torch.autograd.grad(y, [x], grad_outputs=torch.ones_like(y), retain_graph=True)
-        end = time.perf_counter()
-        torch.autograd.grad(y, [layer.weight], grad_outputs=torch.ones_like(y))
-        f_t.append(mid - start)
-        i_t.append(end - mid)
-        w_t.append(time.perf_counter() - end)
-    values = torch.tensor([statistics.median(v) * layers_per_rank for v in (f_t, i_t, w_t)], dtype=torch.float64)
-    torch.distributed.broadcast(values, 0)
-    return tuple(float(v) for v in values)
-
-
-def p2p_latency(dist, torch, rank, rounds=200):
-    """Median one-way latency of a small tensor between ranks 0 and 1 (half a round trip)."""
-    buf = torch.zeros(16)
-    times = []
-    dist.barrier()
-    for _ in range(rounds):
-        start = time.perf_counter()
-        if rank == 0:
-            dist.send(buf, 1)
-            dist.recv(buf, 1)
-        elif rank == 1:
-            dist.recv(buf, 0)
-            dist.send(buf, 0)
-        times.append((time.perf_counter() - start) / 2)
-    value = torch.tensor([statistics.median(times) if rank == 0 else 0.0])
-    dist.broadcast(value, 0)
-    return float(value)
-
-
-def p2p_waiting_latency(dist, torch, rank, idle_s: float, rounds=40):
-    """Median one-way latency, ranks 0 -> 1, to a receiver that has been waiting ``idle_s``.
-
-    The pipeline's critical path runs through ranks waiting for their input. A thread that
-    has slept that long wakes far more slowly on this VM than one in a ping-pong loop, so
-    this, not the ping-pong figure, is the latency a waiting rank sees. The sender stamps
-    each message with ``time.perf_counter()`` (CLOCK_MONOTONIC, shared by the processes of
-    one machine) and the receiver subtracts it from its own clock on arrival.
-    """
-    stamp = torch.zeros(1, dtype=torch.float64)
-    delays = []
-    dist.barrier()
-    for _ in range(rounds):
-        if rank == 0:
-            time.sleep(idle_s)
-            stamp[0] = time.perf_counter()
-            dist.send(stamp, 1)
-        elif rank == 1:
-            dist.recv(stamp, 0)
-            delays.append(time.perf_counter() - float(stamp[0]))
-    value = torch.tensor([statistics.median(delays) if delays else 0.0], dtype=torch.float64)
-    dist.all_reduce(value)                         # only rank 1 measured
-    return float(value)
-
-
 def allreduce_time(dist, torch, rank, group, ranks: tuple, idle_s: float, rounds=30) -> tuple:
     """Median times of a stage's gradient sync over ``ranks`` (the runtime's ``FlatGradAllReduce``
     on a timed chunk's gradients): (from its last member's post to the moment every member
@@ -392,61 +215,6 @@ def sync_group_size(program) -> int:
     return max((len(set(op.ranks)) for ops in program.ops for op in ops if type(op) is GradSync), default=1)
 
 
-def p2p_host_costs(dist, torch, rank, rounds=100):
-    """Median host time of the runtime's own P2P per message, ranks 0 -> 1.
-
-    Returns (send, receive, late receive): posting one send; posting one receive ahead of
-    need and taking it once its data has arrived (what the executor does); and, for
-    comparison, taking an arrived message whose receive is posted only then. Measured apart
-    from any step, so the simulator that uses them is not fitted to the steps.
-    """
-    from ds_chimera.runtime.p2p import P2P
-    from ds_chimera.schedules.actions import Message
-
-    p2p = P2P(lambda p: p, torch.device("cpu"), 2, 60.0)
-    p2p.max_pending = 4 * rounds        # later phases' sends wait for receives taken after a barrier
-    payload = torch.randn(MICRO, 16)
-    sends, preposts, takes, late = [], [], [], []
-    messages = [Message("act", 0, 1, i) for i in range(3 * rounds + 1)]
-    if rank == 0:
-        p2p.send(messages[0], 1, payload)          # the edge's one header goes first
-    elif rank == 1:
-        p2p.recv(messages[0], 0, "warm-up")
-    phases = [range(1 + k * rounds, 1 + (k + 1) * rounds) for k in range(3)]
-    for phase, ids in enumerate(phases):
-        if rank == 1 and phase < 2:                # the executor posts receives ahead of need
-            for i in ids:
-                start = time.perf_counter()
-                p2p.prepost(messages[i], 0, "timing")
-                preposts.append(time.perf_counter() - start)
-        dist.barrier()
-        if rank == 0:
-            for i in ids:
-                if phase == 0:                         # spaced out: each send is timed alone
-                    time.sleep(0.002)
-                start = time.perf_counter()
-                p2p.send(messages[i], 1, payload)
-                if phase == 0:
-                    sends.append(time.perf_counter() - start)
-        elif rank == 1 and phase == 0:
-            for i in ids:
-                p2p.recv(messages[i], 0, "timing")
-        dist.barrier()
-        if rank == 1 and phase > 0:                # every message of the phase has been sent
-            for i in ids:
-                time.sleep(0.001)
-                start = time.perf_counter()
-                p2p.recv(messages[i], 0, "timing")
-                (takes if phase == 1 else late).append(time.perf_counter() - start)
-    p2p.flush()
-    median = statistics.median
-    values = torch.tensor([median(sends) if sends else 0.0, median(preposts) + median(takes) if takes else 0.0,
-                           median(late) if late else 0.0], dtype=torch.float64)
-    dist.all_reduce(values)                        # rank 0 measured the first, rank 1 the others
-    dist.barrier()
-    return tuple(float(v) for v in values)
-
-
 def megatron_contract_step(name, options, n, specs, world, rank, data):
     """One step through ds_chimera.megatron's forward-backward function on the same timed layers.
 
@@ -469,8 +237,6 @@ def megatron_contract_step(name, options, n, specs, world, rank, data):
 
         def forward(self, x):
             return self.layers(self.input if self.input is not None else x)
-
-    from timed_model import stage_layers
 
     forward_backward = dsm.get_forward_backward_func(name, **options)
     schedule = forward_backward.config.build_schedule(world, n)
@@ -502,8 +268,6 @@ def torch_pipelining_step(name, n, specs, world, rank, data):
     import torch
     from torch import nn
     from torch.distributed import pipelining as pp
-
-    from timed_model import stage_layers
 
     looped = name in ("LoopedBFS", "Interleaved1F1B")
     vshape = name in ("ZBVZeroBubble", "DualPipeV")
@@ -542,11 +306,7 @@ def torch_pipelining_step(name, n, specs, world, rank, data):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--micro-batches", type=int, nargs="+")
-    parser.add_argument("--repeats", type=int)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--out", default="benchmarks/schedules_results.json")
     parser.add_argument("--only", nargs="+", metavar="NAME",
                         help="run only the rows whose schedule label starts with one of these (e.g. zbv 1f1b TrainSchedule)")

@@ -9,7 +9,7 @@
                                           # some rows, with CPU load beside each rank (a diagnostic)
 
 Four CPU ranks: 2 pipeline stages x 2 data-parallel, 4 chunks per rank. The timed model
-(``timed_model``) with weights that cost something to move: each timed layer (one per
+(``harness.TimedLayer``) with weights that cost something to move: each timed layer (one per
 chunk) carries a ballast parameter of ``--ballast-mib`` MiB. Every rank's share costs
 F = I = W = 20 ms per micro-batch, plus what the ballast's gradient costs. For each row it
 prints the median step / ideal, the chunk all-gathers per step, and the simulator's
@@ -27,6 +27,7 @@ The last line is a JSON object with every row.
 """
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -36,12 +37,12 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from ranks import launch, report, save_rows  # noqa: E402
+from harness import (COST_S, LAYERS, MICRO, WIDTH, EntryLayer, TimedLayer, benchmark_parser,  # noqa: E402
+                     collective_buffers, launch, median_step, median_steps_in_turn, p2p_host_costs,
+                     p2p_waiting_latency, process_groups, release_groups, report, save_rows, share_one_device,
+                     stage_layers, timed_collective)
 
-COST_S = 0.020
-LAYERS = 8             # timed layers; 2 stages x 4 chunks: one per chunk
-CHUNKS = 4
-MICRO = 1
+CHUNKS = 4             # the LAYERS timed layers over 2 stages x 4 chunks: one per chunk
 STAGES, DP = 2, 2
 
 ROWS = [("breadth-first", 1), ("breadth-first", 2), ("breadth-first", 3), ("interleaved", 1), ("interleaved", 3)]
@@ -50,8 +51,6 @@ ROWS = [("breadth-first", 1), ("breadth-first", 2), ("breadth-first", 3), ("inte
 def ballast_layer_class():
     """A timed layer with ``numel`` extra weights (all of them get a gradient, as real weights do)."""
     import torch
-
-    from timed_model import TimedLayer
 
     class BallastLayer(TimedLayer):
         def __init__(self, fwd_s, igrad_s, wgrad_s, numel):
@@ -104,7 +103,6 @@ def timed_specs(cost_s: float, numel: int) -> list:
     ballast weights each, every rank's share costing ``cost_s`` per op and micro-batch."""
     from deepspeed.pipe import LayerSpec
 
-    from timed_model import EntryLayer
     layer_s = cost_s * STAGES / LAYERS
     ballast = ballast_layer_class()
     return [LayerSpec(EntryLayer)] + [LayerSpec(ballast, layer_s, layer_s, layer_s, numel) for _ in range(LAYERS)]
@@ -147,7 +145,6 @@ def make_batches(n: int) -> list:
     """N micro-batches of (input, target), the same in every row and on every rank."""
     import torch
 
-    from timed_model import WIDTH
     g = torch.Generator().manual_seed(0)
     return [(torch.randn(MICRO, WIDTH, generator=g), torch.randn(MICRO, WIDTH, generator=g)) for _ in range(n)]
 
@@ -161,8 +158,6 @@ def worker(args):
     from ds_chimera.schedules.costs import Costs
     from ds_chimera.schedules.sharding import gathers_per_rank
     from ds_chimera.sim.simulator import simulate
-    from gloo_transport import share_one_device
-    from schedules import median_steps_in_turn, p2p_host_costs, p2p_waiting_latency, process_groups, release_groups
 
     share_one_device()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -314,13 +309,15 @@ def traced_costs(engine, batches, trace_dir, send_s: float, steps: int = 3) -> t
     sharded = any(type(op) is Gather for op in ops)
     fwds, bwds, gaps = [], [], []
     os.makedirs(trace_dir, exist_ok=True)
+    untraced = engine.plan.config           # a PipelineConfig is immutable: the traced steps run on a copy
+    traced = dataclasses.replace(untraced, trace_dir=trace_dir)
     for _ in range(steps):
         with timed_calls(engine.host, ("wait_weights",)) as spent:
-            engine.plan.trace_dir = trace_dir
+            engine.plan.config = traced
             try:
                 engine.train_batch(iter(batches))
             finally:
-                engine.plan.trace_dir = None
+                engine.plan.config = untraced
         # the executor waits for the chunk's weights before every action of a sharded program
         before = spent["wait_weights"] if sharded else [0.0] * len(actions)
         if len(before) != len(actions):
@@ -348,25 +345,6 @@ def timed_calls(owner, names):
                 delattr(owner, name)
             else:
                 setattr(owner, name, previous)
-
-
-def collective_buffers(dist, torch, group, numel) -> tuple:
-    """(full, shard) buffers of a chunk of ``numel`` floats for a collective over ``group``."""
-    size = dist.get_world_size(group)
-    full = torch.zeros(numel - numel % size)
-    return full, torch.zeros(full.numel() // size)
-
-
-def timed_collective(dist, group, kind: str, full, shard) -> float:
-    """Seconds one collective (``gather``, ``reduce_scatter`` or ``all_reduce``) takes from its post on."""
-    start = time.perf_counter()
-    if kind == "gather":
-        dist.all_gather_into_tensor(full, shard, group=group)
-    elif kind == "reduce_scatter":
-        dist.reduce_scatter_tensor(shard, full, group=group)
-    else:
-        dist.all_reduce(full, group=group)
-    return time.perf_counter() - start
 
 
 def collective_time(dist, torch, group, numel, kind, rounds=10) -> float:
@@ -404,8 +382,6 @@ def fsdp_looped_bfs(torch, dist, rank, n, specs, stages, dp, data, repeats, cost
         from torch.distributed.fsdp import fully_shard
         from torch.distributed import pipelining as pp
 
-        from schedules import median_step
-        from timed_model import stage_layers
         mesh = init_device_mesh("cpu", (dp, stages), mesh_dim_names=("dp", "pp"))
         pp_rank = mesh["pp"].get_local_rank()
         modules = []
@@ -503,11 +479,7 @@ def memory_rows(torch, dist, rank, engine_for, data, dp_group) -> list:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--micro-batches", type=int, nargs="+")
-    parser.add_argument("--repeats", type=int)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--ballast-mib", type=float, default=2.0, help="extra weights per timed layer")
     parser.add_argument("--op-ms", type=float, default=COST_S * 1e3,
                         help="F = I = W per rank and micro-batch, in ms: a longer op leaves this host's fixed-size "

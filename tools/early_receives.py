@@ -7,16 +7,17 @@ needed pays a round trip between the two ranks' communication threads. The execu
 the receives of the next two receiving comm batches early (``StepExecutor.recv_lookahead``).
 This script runs each schedule on one engine and alternates steps with the lookahead at 2
 (the default) and at 0 (each receive posted when needed), so both see the same machine
-state. Four CPU ranks, the timed model of ``schedules.py``. The last line is JSON.
+state. Four CPU ranks, the timed model of ``benchmarks/harness.py``. The last line is JSON.
 """
 import argparse
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BENCHMARKS = os.path.join(os.path.dirname(HERE), "benchmarks")   # the shared helpers: ranks, schedules, timed_model
+BENCHMARKS = os.path.join(os.path.dirname(HERE), "benchmarks")   # the shared helpers: benchmarks/harness.py
 sys.path.insert(0, BENCHMARKS)
-from ranks import launch, report, save_rows  # noqa: E402
+from harness import (COST_S, WIDTH, ds_config, init_timed_model, label, launch, median_steps_in_turn,  # noqa: E402
+                     random_batches, report, save_rows, timed_engine)
 SCHEDULES = [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {}), ("zbv", {})]
 
 
@@ -25,10 +26,6 @@ def worker(args):
     import torch.distributed as dist
 
     import ds_chimera  # noqa: F401
-
-    sys.path.insert(0, BENCHMARKS)
-    from schedules import COST_S, ds_config, init_timed_model, label, median_steps_in_turn, random_batches, timed_engine
-    from timed_model import WIDTH
 
     rank, _, _, specs = init_timed_model()
     n = args.micro_batches

@@ -10,7 +10,7 @@ fresh 4-rank launches, alternately without and with ``--idle`` extra engines bui
 stepped, and prints the median step over ideal for each launch, and the native threads per
 process. The idle engines are built twice: with torch's gloo transport, one device (and one
 event-loop thread that wakes every 10 ms) per process group, and with one device shared by
-all groups (``gloo_transport``, what the other benchmarks use).
+all groups (``harness.share_one_device``, what the benchmarks use).
 """
 import argparse
 import json
@@ -18,11 +18,11 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BENCHMARKS = os.path.join(os.path.dirname(HERE), "benchmarks")   # the shared helpers: ranks, schedules, timed_model
+BENCHMARKS = os.path.join(os.path.dirname(HERE), "benchmarks")   # the shared helpers: benchmarks/harness.py
 sys.path.insert(0, BENCHMARKS)
-from ranks import launch, report, save_rows  # noqa: E402
-from schedules import COST_S, OURS, ds_config, init_timed_model, median_steps_in_turn, random_batches, \
-    timed_engine  # noqa: E402
+from harness import (COST_S, WIDTH, ds_config, init_timed_model, launch, median_steps_in_turn,  # noqa: E402
+                     random_batches, report, save_rows, timed_engine)
+from schedules import OURS  # noqa: E402  (the idle engines: schedules.py's own rows)
 
 SCHEDULE = ("chimera", {"order": "zero-bubble", "pipelines": 2})
 N = 8
@@ -33,8 +33,6 @@ def worker(args):
     import torch.distributed as dist
 
     import ds_chimera  # noqa: F401  (the "pipeline" config key)
-
-    from timed_model import WIDTH
 
     rank, _, _, specs = init_timed_model(device_per_group=args.device_per_group)
 

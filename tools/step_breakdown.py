@@ -4,18 +4,18 @@
     python tools/step_breakdown.py --schedule zbv --micro-batches 16
     python tools/step_breakdown.py --schedule chimera --options '{"order": "merged"}'
 
-Four CPU ranks (gloo), the timed model of ``schedules.py``. Two engines of the schedule take
+Four CPU ranks (gloo), the timed model of ``benchmarks/harness.py``. Two engines of the schedule take
 turns: one traced (every op's start and end on every rank), one not (its median step is the
 figure ``schedules.py`` reports). For each traced step the script replays the lowered program
 on that step's own op durations (``compute_timing(durations=...)``) and prints, as ratios over
 ideal = N * (F + I + W) with the nominal costs:
 
 1. the schedule's own makespan at nominal costs (its bubble);
-2. the same with the layers' costs calibrated single-process (``schedules.calibrate``);
+2. the same with the layers' costs calibrated single-process (``harness.calibrate``);
 3. the replay on the ops' in-step durations, without messages: what the ops themselves cost in
    the step (slower than calibrated: cold caches after waits, 4 ranks on 2 cores), and the
    critical path's share of the slow ones (jitter);
-4. the same replay with the latency to a waiting rank (``schedules.p2p_waiting_latency``);
+4. the same replay with the latency to a waiting rank (``harness.p2p_waiting_latency``);
 5. the last op's end (slowest rank): what the replay leaves unexplained is the runtime's
    per-message host time and the wake-ups between ops;
 6. the untraced engine's median step: adds the end of the step (gradient syncs, optimizer
@@ -36,11 +36,11 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BENCHMARKS = os.path.join(os.path.dirname(HERE), "benchmarks")   # the shared helpers: ranks, schedules, timed_model
+BENCHMARKS = os.path.join(os.path.dirname(HERE), "benchmarks")   # the shared helpers: benchmarks/harness.py
 sys.path.insert(0, BENCHMARKS)
-from ranks import launch, report, save_rows  # noqa: E402
-from schedules import COST_S, LAYERS, calibrate, ds_config, init_timed_model, median_steps_in_turn, \
-    p2p_waiting_latency, random_batches, timed_engine  # noqa: E402
+from harness import (COST_S, LAYERS, WIDTH, TimedLayer, calibrate, ds_config, init_timed_model,  # noqa: E402
+                     launch, median_steps_in_turn, p2p_waiting_latency, random_batches, report, save_rows,
+                     timed_engine)
 
 
 def op_gaps(records) -> tuple:
@@ -67,7 +67,6 @@ def worker(args):
     from ds_chimera.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
     from ds_chimera.schedules.timing import compute_timing
     from ds_chimera.sim import Costs, simulate
-    from timed_model import WIDTH, TimedLayer
 
     rank, world, layer_s, specs = init_timed_model()
     n, options = args.micro_batches, json.loads(args.options)

@@ -22,10 +22,10 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BENCHMARKS = os.path.join(os.path.dirname(HERE), "benchmarks")   # the shared helpers: ranks, schedules, timed_model
+BENCHMARKS = os.path.join(os.path.dirname(HERE), "benchmarks")   # the shared helpers: benchmarks/harness.py
 sys.path.insert(0, BENCHMARKS)
-from ranks import launch, report, save_rows  # noqa: E402
-COST_S, LAYERS, MICRO = 0.020, 8, 1
+from harness import (COST_S, LAYERS, MICRO, WIDTH, TimedLayer, launch, median_steps_in_turn,  # noqa: E402
+                     random_batches, report, save_rows)
 
 
 def worker(args):
@@ -36,10 +36,6 @@ def worker(args):
     import deepspeed
     import ds_chimera  # noqa: F401
     from deepspeed.pipe import LayerSpec, PipelineModule
-
-    sys.path.insert(0, BENCHMARKS)
-    from schedules import median_steps_in_turn, random_batches
-    from timed_model import WIDTH, TimedLayer
 
     class PayloadLayer(TimedLayer):
         """A timed layer with ``size`` more parameters: gradients worth reducing."""

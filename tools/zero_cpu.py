@@ -21,9 +21,9 @@ import time
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
 sys.path.insert(0, BENCHMARKS)
-from ranks import launch, report, save_rows  # noqa: E402
-from zero import (COST_S, build_engine, chunk_numel, collective_buffers, data_parallel_group, make_batches,  # noqa: E402
-                  row_arg, timed_collective, timed_specs)
+from harness import (COST_S, collective_buffers, launch, report, save_rows, share_one_device,  # noqa: E402
+                     timed_collective)
+from zero import build_engine, chunk_numel, data_parallel_group, make_batches, row_arg, timed_specs  # noqa: E402
 
 ROUNDS = 200
 STEPS = 6
@@ -46,7 +46,6 @@ def worker(args):
 
     import deepspeed
     import ds_chimera  # noqa: F401
-    from gloo_transport import share_one_device
 
     share_one_device()
     deepspeed.init_distributed(dist_backend="gloo")
