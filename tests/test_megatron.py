@@ -245,3 +245,14 @@ def test_split_backward_of_captured_blocks_equals_a_full_backward(call_twice):
         torch.autograd.backward(outs, grad_tensors=grads, inputs=params)
     for name, p in model.named_parameters():
         assert torch.allclose(p.grad, expected[name], atol=1e-6), name
+
+
+def test_a_micro_batch_count_the_schedule_cannot_run_raises_what_megatron_raises():
+    """Megatron's own schedules raise RuntimeError for it (its schedule tests expect that); ValueError too."""
+    from ds_chimera.config import PipelineConfig
+    from ds_chimera.megatron.runner import ScheduleRunner
+    runner = ScheduleRunner(PipelineConfig.from_megatron("interleaved", {"chunks": 2}))
+    for error in (RuntimeError, ValueError):
+        with pytest.raises(error, match=r"multiple of stages \(4\), got 6.*\(num_microbatches=6 on 4 pipeline ranks\)"):
+            runner._schedule(4, 6)
+    assert runner._schedule(4, 8)[0].micro_batches == 8

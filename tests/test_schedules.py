@@ -17,7 +17,7 @@ def grid():
         for d in range(2, 9):
             if name == "chimera" and d % 2:
                 continue
-            lo = 2 * d if name == "dualpipev" else 1
+            lo = 2 * d if name == "dualpipev" else 2 if name == "chimera" else 1     # chimera: one per direction
             step = d if name == "interleaved" else 1
             ns = sorted({n for n in (lo, lo + 1, d, d + 1, 2 * d, 3 * d, 3 * d + 1, 4 * d, 8 * d)
                          if n >= lo and n % step == 0 and n >= step})
@@ -50,7 +50,7 @@ def test_grid_is_complete_and_deadlock_free():
 @pytest.mark.parametrize("pipelines", [1, 2, 4])
 @pytest.mark.parametrize("order", ["concat", "merged", "forward-doubling"])
 def test_chimera_never_drops_work(order, pipelines):
-    for n in (1, 3, 8, 23, 24, 25, 64):
+    for n in (2 * pipelines, 2 * pipelines + 1, 8, 23, 24, 25, 64):
         schedule = build("chimera", 8, n, order=order, pipelines=pipelines)
         result = simulate(schedule.lower(), SPLIT)
         assert result.valid, (order, pipelines, n, result.errors[:3], result.deadlock)
@@ -59,8 +59,15 @@ def test_chimera_never_drops_work(order, pipelines):
 
 
 @pytest.mark.parametrize("pipelines", [1, 2, 4])
+def test_chimera_refuses_fewer_micro_batches_than_pipelines(pipelines):
+    """With N < 2f some replica would get no micro-batch: its layers held, never trained."""
+    with pytest.raises(ValueError, match=f"needs micro_batches .*>= {2 * pipelines}, got {2 * pipelines - 1}"):
+        build("chimera", 8, 2 * pipelines - 1, pipelines=pipelines)
+
+
+@pytest.mark.parametrize("pipelines", [1, 2, 4])
 def test_chimera_zero_bubble_is_complete_within_1f1b_memory(pipelines):
-    for n in (1, 3, 8, 23, 24, 25, 64):
+    for n in (2 * pipelines, 2 * pipelines + 1, 8, 23, 24, 25, 64):
         schedule = build("chimera", 8, n, order="zero-bubble", pipelines=pipelines)
         result = simulate(schedule.lower(), SPLIT)
         assert result.valid, (pipelines, n, result.errors[:3], result.deadlock)

@@ -57,6 +57,11 @@ def _pipeline_groups(placement, pp_ranks: list, nccl: bool, timeout_s: float) ->
                           nccl_edges=nccl)
 
 
+class PipelineShapeError(ValueError, RuntimeError):
+    """A ``num_microbatches`` (or pipeline size) the schedule cannot run: Megatron's own schedules raise RuntimeError for it
+    (its tests expect that), ds_chimera's checks ValueError; this is both."""
+
+
 class ScheduleRunner:
     """One schedule behind Megatron's contract; caches programs and groups per pipeline shape."""
 
@@ -73,7 +78,10 @@ class ScheduleRunner:
     def _schedule(self, size: int, num_microbatches: int):
         key = (size, num_microbatches)
         if key not in self._programs:
-            schedule = self.config.build_schedule(size, num_microbatches)
+            try:
+                schedule = self.config.build_schedule(size, num_microbatches)
+            except ValueError as exc:
+                raise PipelineShapeError(f"{exc} (num_microbatches={num_microbatches} on {size} pipeline ranks)") from None
             program, eval_program = proven_programs(schedule)
             # Megatron's optimizer clips over its own groups after the call: no global CLIP here
             self._programs[key] = (schedule, without_global_clip(program), eval_program)
@@ -98,7 +106,7 @@ class ScheduleRunner:
         # size its receive buffers; ds_chimera's messages carry their shapes. first_val_step is for FP8.
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
-            raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+            raise PipelineShapeError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
         if collect_non_loss_data and not forward_only:
             raise ValueError("collect_non_loss_data=True needs forward_only=True (Megatron collects it in evaluation)")
         group = pg_collection.pp if pg_collection is not None and getattr(pg_collection, "pp", None) is not None \

@@ -27,6 +27,7 @@ from ..atomic import torch_save_atomic
 from ..optim.bf16 import BF16MasterView
 from ..optim.predictors import predictor_for
 from ..optim.versions import WeightVersions
+from . import checkpoint as ckpt
 from .clipping import clip_by_norm
 from .engine import ScheduledPipelineEngine, log
 from .host import PipelineHost
@@ -242,4 +243,4 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
         if not os.path.exists(path):
             raise FileNotFoundError(f"checkpoint {directory} has no weight-predictor state for rank "
                                     f"{self.global_rank} ({path}); it was not written by {self.schedule.name!r}")
-        self.predictor.load_state_dict(torch.load(path, map_location=self.device, weights_only=False))
+        self.predictor.load_state_dict(ckpt.load_written(path, self.device))

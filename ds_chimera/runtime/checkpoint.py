@@ -57,15 +57,28 @@ def save_layers(engine, path: str, exclude_frozen_parameters: bool = False) -> N
         torch_save_atomic(state, layer_file(engine, path, idx))
 
 
-def load_layers(engine, path: str, strict: bool = True) -> None:
+def load_written(path: str, device):
+    """A file this package wrote (tensors, numbers, strings and containers of them), loaded without
+    unpickling anything else: a tampered checkpoint is refused instead of running its code."""
+    import pickle
+
     import torch
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(f"checkpoint file {path} holds objects other than tensors and plain containers, which "
+                         f"ds_chimera never writes; it is not loaded (unpickling it could run code): "
+                         f"{str(exc).splitlines()[0]}") from None
+
+
+def load_layers(engine, path: str, strict: bool = True) -> None:
     for idx, (_, obj) in sorted(layer_objects(engine).items()):
         if not hasattr(obj, "load_state_dict"):
             continue
         file = layer_file(engine, path, idx)
         if not os.path.exists(file):
             raise FileNotFoundError(f"checkpoint {path} has no weights for layer {idx} ({file})")
-        obj.load_state_dict(torch.load(file, map_location=engine.device, weights_only=False), strict=strict)
+        obj.load_state_dict(load_written(file, engine.device), strict=strict)
 
 
 def layout(engine) -> dict:
@@ -90,12 +103,11 @@ def save_shards(engine, directory: str) -> None:
 
 
 def load_shards(engine, directory: str) -> None:
-    import torch
     path = shards_file(engine, directory)
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {directory} has no ZeRO shard file for rank {engine.global_rank} "
                                 f"({path}); load its weights only: load_optimizer_states=False")
-    state = torch.load(path, map_location=engine.device, weights_only=False)
+    state = load_written(path, engine.device)
     for param, saved in zip(engine.host.shards.shard_params, state["shards"], strict=True):
         param.data.copy_(saved)
     engine.optimizer.load_state_dict(state["optimizer"])
@@ -145,6 +157,7 @@ def stock_compatible(engine, load_dir: str, tag) -> bool:
     path = engine._get_ckpt_name(load_dir, tag)
     if not os.path.exists(path):
         return False
+    # DeepSpeed's own model-states file (its config, version, client state): DeepSpeed loads it alike
     state = torch.load(path, map_location="cpu", weights_only=False)
     saved = state.get("optimizer") or {}
     if state.get("dp_world_size") != engine.dp_size or state.get("mp_world_size") != engine.num_stages or \

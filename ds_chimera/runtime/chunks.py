@@ -57,7 +57,7 @@ class ChunkModule(nn.Module):
     """The layers of one (replica, stage): runs them in order, with optional checkpointing."""
 
     def __init__(self, index: int, stage: int, start: int, layers: list, funcs: list,
-                 checkpoint_interval: int = 0, checkpoint_func=None):
+                 checkpoint_interval: int = 0, checkpoint_func=None, checkpointable=None):
         super().__init__()
         self.index, self.stage, self.start = index, stage, start
         self.layers = nn.ModuleDict({str(start + i): m for i, m in enumerate(layers) if isinstance(m, nn.Module)
@@ -65,6 +65,11 @@ class ChunkModule(nn.Module):
         self.funcs = funcs                         # callables, in order (modules, tied partials, lambdas)
         self.checkpoint_interval = checkpoint_interval
         self.checkpoint_func = checkpoint_func
+        # which blocks of checkpoint_interval layers are recomputed: DeepSpeed's rule by default
+        # (a block with parameters), so a parameter-free in-place layer (ReLU(inplace=True)) runs as it is
+        rule = checkpointable or has_parameters
+        self.checkpointed = [rule(funcs[i:i + checkpoint_interval])
+                             for i in range(0, len(funcs), checkpoint_interval)] if checkpoint_interval else []
 
     def _run(self, start: int, stop: int):
         def run(*inputs):
@@ -95,9 +100,9 @@ class ChunkModule(nn.Module):
         n = len(self.funcs)
         checkpointing = bool(self.checkpoint_interval) and torch.is_grad_enabled()
         step = self.checkpoint_interval if checkpointing else 1
-        for start in range(0, n, step):
+        for block, start in enumerate(range(0, n, step)):
             stop = min(start + step, n)
-            if checkpointing:
+            if checkpointing and self.checkpointed[block]:
                 args = x if isinstance(x, tuple) else (x,)
                 x = self.checkpoint_func(self._run(start, stop), *args)
             else:
@@ -109,9 +114,33 @@ class ChunkModule(nn.Module):
         return x
 
 
+def has_parameters(funcs) -> bool:
+    """DeepSpeed's default test of a block for checkpointing: some module in it has parameters."""
+    return any(any(True for _ in f.parameters()) for f in funcs if isinstance(f, nn.Module))
+
+
+def deepspeed_checkpointable(module: PipelineModule):
+    """``PipelineModule._is_checkpointable`` for a block of layers, as DeepSpeed decides it: its
+    ``checkpointable_layers`` (class names) where given, Megatron-DeepSpeed's GPT pipe classes
+    their transformer layers, else the blocks that have parameters."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+    names = module.checkpointable_layers
+
+    def checkpointable(funcs) -> bool:
+        if module.activation_checkpoint_func is not checkpointing.non_reentrant_checkpoint and \
+                type(module).__name__ in ("GPTModelPipe", "GPT2ModelPipe"):
+            return all("ParallelTransformerLayerPipe" in type(f).__name__ or
+                       (names is not None and type(f).__name__ in names) for f in funcs)
+        if names is not None:
+            return all(type(f).__name__ in names for f in funcs)
+        return has_parameters(funcs)
+    return checkpointable
+
+
 def build_chunks(module: PipelineModule, placement, rank: int, parts: list, device,
                  checkpoint_interval: int = 0, checkpoint_func=None):
     """Chunks of ``rank`` as a ModuleList, plus the tied modules they share (by key)."""
+    checkpointable = deepspeed_checkpointable(module)
     specs = module._layer_specs
     first_use = {}
     for idx, spec in enumerate(specs):
@@ -149,7 +178,8 @@ def build_chunks(module: PipelineModule, placement, rank: int, parts: list, devi
                 else:
                     layers.append(spec)
                     funcs.append(spec)
-        chunks.append(ChunkModule(index, stage, start, layers, funcs, checkpoint_interval, checkpoint_func))
+        chunks.append(ChunkModule(index, stage, start, layers, funcs, checkpoint_interval, checkpoint_func,
+                                  checkpointable))
     chunk_list = nn.ModuleList(chunks).to(device)
     tied_modules = nn.ModuleDict(tied).to(device)
     return chunk_list, tied_modules

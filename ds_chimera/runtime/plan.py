@@ -75,8 +75,14 @@ def make_plan(config: PipelineConfig, num_stages: int, dp: int, num_layers: int,
     """The schedule, its proven programs and the layer cut for ``num_stages`` ranks x ``dp`` copies."""
     schedule = config.build_schedule(num_stages, config.batch.micro_batches(dp))
     if num_layers < schedule.placement.num_stages:
+        per_rank = schedule.placement.num_stages // num_stages
+        hint = f"; it puts {per_rank} stages on each rank: use fewer pipeline stages or a schedule with one (1f1b)"
+        if "chunks" in schedule.config and schedule.config["chunks"] > 1:
+            most = num_layers // num_stages
+            hint = (f'; set "chunks": {most} (at most layers / stages = {num_layers} // {num_stages}) in the "pipeline" '
+                    f"section" if most >= 1 else "; use fewer pipeline stages")
         raise ValueError(f"schedule {config.schedule!r} cuts the model into {schedule.placement.num_stages} stages "
-                         f"but the PipelineModule has only {num_layers} layers")
+                         f"but the PipelineModule has only {num_layers} layers{hint}")
     program, eval_program = proven_programs(schedule)
     if config.sharded:
         program, eval_program = sharded_programs(program, eval_program, config.zero_stage,

@@ -56,6 +56,12 @@ class Chimera(Schedule):
             divisors = [k for k in range(1, d // 2 + 1) if (d // 2) % k == 0]
             raise ValueError(f"chimera: pipelines must divide stages/2 = {d // 2} (allowed: {divisors}), "
                              f"got {self.pipelines}")
+        routes = 2 * self.pipelines
+        if self.micro_batches < routes:
+            raise ValueError(f"chimera with pipelines={self.pipelines} runs {routes} pipelines, each with its own "
+                             f"replica of the model, and needs micro_batches (DeepSpeed's "
+                             f"gradient_accumulation_steps) >= {routes}, got {self.micro_batches}: with fewer, a "
+                             f"replica's layers would hold weights but never train; use more micro-batches or 1f1b")
         self.order = check_choice(self.name, "order", self.config["order"], ORDERS)
         if self.order == "auto":
             self.order = self.choose_order(self.stages, self.micro_batches, self.pipelines,

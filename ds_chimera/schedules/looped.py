@@ -33,7 +33,9 @@ class Interleaved(_Looped):
         super().validate()
         if self.micro_batches % self.stages:
             raise ValueError(f"interleaved needs micro_batches to be a multiple of stages "
-                             f"({self.stages}), got {self.micro_batches}")
+                             f"({self.stages}), got {self.micro_batches}: set DeepSpeed's "
+                             f"gradient_accumulation_steps (Megatron's num_microbatches) to a multiple of "
+                             f"{self.stages}, or use breadth-first, which takes any number")
 
     def build_orders(self):
         d, v, n = self.stages, self.chunks, self.micro_batches

@@ -440,6 +440,36 @@ def bad_config(kind):
     return {"error": None}
 
 
+def inplace_specs():
+    """DeepSpeed's CIFAR AlexNet test model, scaled down: convolutions, in-place ReLUs, a lambda; every
+    stage of a uniform cut into 4 or 8 has parameters."""
+    from deepspeed.pipe import LayerSpec
+    nn = torch.nn
+    convs = [LayerSpec(nn.Conv2d, 3 if i == 0 else 4, 4, 3, padding=1) for i in range(7)]
+    return [x for conv in convs for x in (conv, LayerSpec(nn.ReLU, inplace=True))] + \
+        [lambda x: x.flatten(1), LayerSpec(nn.Linear, 4 * 8 * 8, 10)]
+
+
+def inplace_checkpointing(schedule, n=8, steps=2, **options):
+    """activation_checkpoint_interval=1 on a model with in-place ReLUs (DeepSpeed's AlexNet test): the
+    schedule trains exactly as DeepSpeed's stock engine on the same script (losses, last layer)."""
+    def batches(step):
+        g = torch.Generator().manual_seed(300 + step)
+        return [(torch.randn(MICRO, 3, 8, 8, generator=g), torch.randint(0, 10, (MICRO,), generator=g))
+                for _ in range(n)]
+
+    def run(name):
+        # uniform: DeepSpeed 0.19.8's "parameters" cut gives numpy layer offsets, which its seed_layers
+        # hands to random.seed (a TypeError on Python 3.11 with numpy 2)
+        net = PipelineModule(layers=inplace_specs(), num_stages=4, loss_fn=torch.nn.CrossEntropyLoss(),
+                             partition_method="uniform", seed_layers=True, base_seed=BASE_SEED,
+                             activation_checkpoint_interval=1)
+        engine, _, _, _ = deepspeed.initialize(model=net, config=config(name, n, 1, clip=0.0, **options),
+                                               optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9))
+        return [engine.train_batch(iter(batches(s))).item() for s in range(steps)]
+    return {"stock": run(None), "ours": run(schedule)}
+
+
 def lm_training(schedule, steps=25, **options):
     """The DynamicConv LM of ds_chimera.nn through a pipeline schedule: the loss must fall."""
     from ds_chimera.nn import counting_batches, lm_layer_specs, lm_loss
@@ -700,7 +730,7 @@ SCENARIOS["clipped-4x1-interleaved"] = lambda: train_and_compare("interleaved", 
 SCENARIOS["unclipped-tied-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8, tied=True, clip=NO_CLIP)
 SCENARIOS["unclipped-zero1-2x2-breadth-first"] = lambda: train_and_compare("breadth-first", 2, 2, 4, zero=1, chunks=2,
                                                                            clip=NO_CLIP)
-SCENARIOS["unclipped-actckpt-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8, aci=1, clip=NO_CLIP)
+SCENARIOS["unclipped-actckpt-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8, aci=2, clip=NO_CLIP)
 
 
 def program_file_training():
@@ -725,10 +755,10 @@ SCENARIOS["program-4x1-chimera-zb"] = program_file_training
 SCENARIOS["tied-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8, tied=True)
 SCENARIOS["tied-4x1-1f1b"] = lambda: train_and_compare("1f1b", 4, 1, 8, tied=True)
 SCENARIOS["tied-2x2-zbv"] = lambda: train_and_compare("zbv", 2, 2, 4, tied=True)
-SCENARIOS["actckpt-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8, aci=1)
+SCENARIOS["actckpt-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8, aci=2)
 SCENARIOS["actckpt-4x1-zb-h1"] = lambda: train_and_compare("zb-h1", 4, 1, 8, aci=1)
 SCENARIOS["actckpt-4x1-chimera-zb"] = lambda: train_and_compare("chimera", 4, 1, 8, aci=1, order="zero-bubble")
-SCENARIOS["actckpt-4x1-interleaved"] = lambda: train_and_compare("interleaved", 4, 1, 8, aci=1, chunks=2)
+SCENARIOS["actckpt-4x1-interleaved"] = lambda: train_and_compare("interleaved", 4, 1, 8, aci=2, chunks=2)
 SCENARIOS["ckpt-resume-chimera"] = lambda: checkpoint_resume("chimera", 4, 1, 8)
 SCENARIOS["ckpt-resume-2x2-zbv"] = lambda: checkpoint_resume("zbv", 2, 2, 4)
 SCENARIOS["ckpt-cross-chimera-to-1f1b"] = lambda: checkpoint_resume("chimera", 4, 1, 8, load_schedule="1f1b")
@@ -753,6 +783,9 @@ SCENARIOS["trace-chimera"] = lambda: traced_step("chimera")
 SCENARIOS["trace-zbv"] = lambda: traced_step("zbv")
 SCENARIOS["lm-chimera"] = lambda: lm_training("chimera")
 SCENARIOS["lm-zbv"] = lambda: lm_training("zbv")
+INPLACE = {"gpipe": {}, "1f1b": {}, "interleaved": {"chunks": 2}, "chimera": {}, "zb-h1": {}, "zbv": {}}
+for _name, _opts in INPLACE.items():
+    SCENARIOS[f"inplace-actckpt-{_name}"] = (lambda name=_name, opts=_opts: inplace_checkpointing(name, **opts))
 SCENARIOS["zero1-2x2-breadth-first"] = lambda: train_and_compare("breadth-first", 2, 2, 4, zero=1, chunks=2)
 SCENARIOS["zero1-2x2-breadth-first-end"] = lambda: train_and_compare("breadth-first", 2, 2, 4, zero=1, chunks=2,
                                                                    zero1_reduce="end")
