@@ -33,7 +33,8 @@ OTHER = ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv", "actckpt-4x1-chime
          "bad-pipelines", "bad-interleaved-n", "bad-option", "bad-async-tied", "bad-async-actckpt", "bad-async-bf16",
          "bad-async-steps-ahead"]
 INPLACE = ["gpipe", "1f1b", "interleaved", "chimera", "zb-h1", "zbv"]
-OTHER += [f"inplace-actckpt-{name}" for name in INPLACE]
+MONITORED = ["1f1b", "chimera", "zbv"]
+OTHER += ["inplace-actckpt", "monitors"]
 ASYNC_OPTIONS = {"pipeoptim-code": {"steps_ahead": "code"}, "pipeoptim-last": {"predictor": "last-update"}}
 ASYNC_KEYS = ["pipedream", "pipedream-2bw", "pipeoptim", "spectrain", "pipeoptim-code", "pipeoptim-last"]
 ASYNC_BF16 = ["async-bf16-4x1-pipeoptim", "async-bf16-2x2-pipedream"] + (["async-bf16-4x1-spectrain"] if FULL else [])
@@ -249,9 +250,25 @@ def test_bf16_with_deepspeeds_bf16_optimizer(results, scenario):
 @pytest.mark.parametrize("name", INPLACE)
 def test_activation_checkpointing_with_in_place_layers_trains_as_the_stock_engine(results, name):
     """DeepSpeed checkpoints only blocks with parameters: a lone ReLU(inplace=True) runs as it is."""
-    r = results[f"inplace-actckpt-{name}"]
-    assert len(r["ours"]) == len(r["stock"]) == 2
-    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["ours"], r["stock"])), r
+    r = results["inplace-actckpt"]
+    assert len(r[name]) == len(r["stock"]) == 2
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r[name], r["stock"])), (name, r)
+
+
+@pytest.mark.parametrize("name", MONITORED)
+def test_monitors_get_the_stock_engines_events(results, name):
+    """csv_monitor files under the schedule: the stock engine's names, and per event the same steps and values."""
+    r = results["monitors"]
+    stock, ours = r["stock"], r[name]
+    assert set(stock) == {"Train_Samples_train_loss.csv", "Train_Samples_lr.csv", "Train_Samples_eval_loss.csv"}
+    assert set(ours) == set(stock)
+    for event, rows in stock.items():
+        assert len(rows) == len(ours[event]) == (2 if "eval" in event else 4), (event, rows, ours[event])   # header
+        assert rows[0] == ours[event][0]
+        for theirs, mine in zip(rows[1:], ours[event][1:]):
+            (step_a, value_a), (step_b, value_b) = theirs.split(","), mine.split(",")
+            assert step_a == step_b and abs(float(value_a) - float(value_b)) <= 1e-5 * abs(float(value_a)), \
+                (event, theirs, mine)
 
 
 @pytest.mark.parametrize("scenario", ["lm-chimera", "lm-zbv"])

@@ -450,15 +450,15 @@ def inplace_specs():
         [lambda x: x.flatten(1), LayerSpec(nn.Linear, 4 * 8 * 8, 10)]
 
 
-def inplace_checkpointing(schedule, n=8, steps=2, **options):
-    """activation_checkpoint_interval=1 on a model with in-place ReLUs (DeepSpeed's AlexNet test): the
-    schedule trains exactly as DeepSpeed's stock engine on the same script (losses, last layer)."""
+def inplace_checkpointing(schedules: dict, n=8, steps=2):
+    """activation_checkpoint_interval=1 on a model with in-place ReLUs (DeepSpeed's AlexNet test): each
+    schedule trains exactly as DeepSpeed's stock engine on the same script (its losses)."""
     def batches(step):
         g = torch.Generator().manual_seed(300 + step)
         return [(torch.randn(MICRO, 3, 8, 8, generator=g), torch.randint(0, 10, (MICRO,), generator=g))
                 for _ in range(n)]
 
-    def run(name):
+    def run(name, options):
         # uniform: DeepSpeed 0.19.8's "parameters" cut gives numpy layer offsets, which its seed_layers
         # hands to random.seed (a TypeError on Python 3.11 with numpy 2)
         net = PipelineModule(layers=inplace_specs(), num_stages=4, loss_fn=torch.nn.CrossEntropyLoss(),
@@ -467,7 +467,31 @@ def inplace_checkpointing(schedule, n=8, steps=2, **options):
         engine, _, _, _ = deepspeed.initialize(model=net, config=config(name, n, 1, clip=0.0, **options),
                                                optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9))
         return [engine.train_batch(iter(batches(s))).item() for s in range(steps)]
-    return {"stock": run(None), "ours": run(schedule)}
+    return {"stock": run(None, {}), **{name: run(name, options) for name, options in schedules.items()}}
+
+
+def monitor_events(schedules, n=8, steps=3):
+    """DeepSpeed's csv_monitor (the path TensorBoard, W&B and Comet share) under the stock engine and each
+    schedule, same script: every event file, with its steps and values, read back on rank 0."""
+    specs, global_batches = mlp_specs(16), make_global_batches(n)
+    holder = [tempfile.mkdtemp(prefix="dsc_monitor_") if tdist.get_rank() == 0 else None]
+    tdist.broadcast_object_list(holder, src=0)
+    out = {}
+    for name in ["stock", *schedules]:
+        cfg = config(None if name == "stock" else name, n, 1, clip=0.0)
+        cfg["csv_monitor"] = {"enabled": True, "output_path": holder[0], "job_name": name}
+        engine = make_engine(4, cfg, specs)
+        for s in range(steps):
+            engine.train_batch(iter(my_batches(engine, global_batches, s, n)))
+        engine.eval_batch(iter(my_batches(engine, global_batches, steps, n)))
+        tdist.barrier()
+        if tdist.get_rank() == 0:
+            folder = os.path.join(holder[0], name)
+            out[name] = {f: open(os.path.join(folder, f)).read().split() for f in sorted(os.listdir(folder))}
+    tdist.barrier()
+    if tdist.get_rank() == 0:
+        shutil.rmtree(holder[0], ignore_errors=True)
+    return out
 
 
 def lm_training(schedule, steps=25, **options):
@@ -783,9 +807,9 @@ SCENARIOS["trace-chimera"] = lambda: traced_step("chimera")
 SCENARIOS["trace-zbv"] = lambda: traced_step("zbv")
 SCENARIOS["lm-chimera"] = lambda: lm_training("chimera")
 SCENARIOS["lm-zbv"] = lambda: lm_training("zbv")
-INPLACE = {"gpipe": {}, "1f1b": {}, "interleaved": {"chunks": 2}, "chimera": {}, "zb-h1": {}, "zbv": {}}
-for _name, _opts in INPLACE.items():
-    SCENARIOS[f"inplace-actckpt-{_name}"] = (lambda name=_name, opts=_opts: inplace_checkpointing(name, **opts))
+SCENARIOS["monitors"] = lambda: monitor_events(["1f1b", "chimera", "zbv"])
+SCENARIOS["inplace-actckpt"] = lambda: inplace_checkpointing(
+    {"gpipe": {}, "1f1b": {}, "interleaved": {"chunks": 2}, "chimera": {}, "zb-h1": {}, "zbv": {}})
 SCENARIOS["zero1-2x2-breadth-first"] = lambda: train_and_compare("breadth-first", 2, 2, 4, zero=1, chunks=2)
 SCENARIOS["zero1-2x2-breadth-first-end"] = lambda: train_and_compare("breadth-first", 2, 2, 4, zero=1, chunks=2,
                                                                    zero1_reduce="end")
