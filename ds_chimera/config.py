@@ -108,10 +108,6 @@ class PipelineConfig:
             return ProgramSchedule
         return registry.get(self.schedule)
 
-    @property
-    def synchronous(self) -> bool:
-        return self.schedule_class().synchronous
-
     def build_schedule(self, stages: int, micro_batches: int):
         """The schedule for ``stages`` ranks and ``micro_batches``; its option values are checked here."""
         if self.schedule == PROGRAM:

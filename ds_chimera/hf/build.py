@@ -16,7 +16,6 @@ def build_engine(trainer, max_steps: int | None):
     from ..integrations.deepspeed import initialize_pipeline
     setup = trainer.setup
     config = copy.deepcopy(setup.config)
-    config["gradient_clipping"] = setup.engine_clip          # the norm is reported even when clipping is off
     if isinstance((config.get("scheduler") or {}).get("params"), dict):
         if max_steps is None:
             max_steps = trainer._planned_max_steps()
@@ -31,6 +30,6 @@ def build_engine(trainer, max_steps: int | None):
         trainer.hf_optimizer = hf_optimizer
         optimizer = chunk_optimizer_factory(hf_optimizer, trainer.model,
                                             lambda: pipeline_hf_names(net.ds_chimera_chunks, trainer.layout))
-    pipeline = setup.pipeline.with_clip(setup.engine_clip)
+    pipeline = setup.pipeline.with_clip(setup.engine_clip)   # the norm is reported even when clipping is off
     engine, _, _, _ = initialize_pipeline(pipeline, model=net, config=config, optimizer=optimizer)
     return engine

@@ -18,9 +18,8 @@ def _stages_of(name: str, ranks: int, micro_batches: int, options: dict):
 def check_model_fits(layout, setup, world: int):
     """The schedule of ``setup``, once the model has a layer for each of its stages; else a ValueError that
     says how many decoder blocks, or which pipeline sizes, would work."""
-    from ..schedules import registry
     options = setup.options
-    schedule = registry.get(setup.schedule)(setup.stages, setup.micro_batches, **options)
+    schedule = setup.pipeline.build_schedule(setup.stages, setup.micro_batches)
     need, have = schedule.placement.num_stages, len(layout.layers)
     if layout.tied and not schedule.synchronous:
         raise ValueError(f"schedule {setup.schedule!r} updates stages on their own clocks and cannot keep "

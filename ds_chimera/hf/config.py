@@ -31,13 +31,24 @@ AUTO = "auto"
 class PipelineSetup:
     config: dict           # what goes to deepspeed.initialize (batch keys resolved)
     pipeline: PipelineConfig   # the same, parsed and checked once
-    schedule: str
     stages: int            # D, ranks per pipeline
     data_parallel: int
     micro_batch: int
     micro_batches: int     # N per step
-    max_grad_norm: float   # the Trainer's; the engine always computes the norm (see engine_clip)
-    options: dict          # the schedule's own options from the "pipeline" section
+
+    @property
+    def schedule(self) -> str:
+        return self.pipeline.schedule
+
+    @property
+    def options(self) -> dict:
+        """The schedule's own options from the "pipeline" section."""
+        return dict(self.pipeline.options)
+
+    @property
+    def max_grad_norm(self) -> float:
+        """The Trainer's; the engine always computes the norm (see engine_clip)."""
+        return self.pipeline.clip
 
     @property
     def global_batch(self) -> int:
@@ -140,7 +151,7 @@ def resolve(raw, args, world_size: int) -> PipelineSetup:
     if not isinstance(section, dict) or "schedule" not in section:
         raise ValueError(f"the DeepSpeed config's \"pipeline\" section needs a schedule: \"pipeline\": {{\"schedule\": "
                          f"NAME}} with NAME one of {', '.join(sorted(registry.available()))}; got {section!r}")
-    name, options, _ = split_pipeline_section(section)   # unknown schedule or option: a clear error, first
+    split_pipeline_section(section)     # unknown schedule or option: a clear error, before the arguments' checks
     refuse_ignored_arguments(args)
     stages = section.get("stages", AUTO)
     stages = world_size if stages == AUTO else stages
@@ -163,7 +174,7 @@ def resolve(raw, args, world_size: int) -> PipelineSetup:
     # the reconciled config is what runs: parsed once (fp16 / ZeRO, as deepspeed.initialize would refuse them)
     pipeline = PipelineConfig.from_deepspeed(config, sharding=False)
     pipeline.build_schedule(stages, n)      # the schedule's own limits (N vs D, ZeRO-1 with replicas), now
-    return PipelineSetup(config, pipeline, name, stages, dp, micro, n, clip, options)
+    return PipelineSetup(config, pipeline, stages, dp, micro, n)
 
 
 def _agree_precision(config: dict, args) -> None:

@@ -58,6 +58,17 @@ def chosen_schedule(argv: list | None = None) -> tuple:
     return name, _parse_options(options)
 
 
+def virtual_pipeline_size(vp_size=None):
+    """``vp_size`` if given, else Megatron's virtual-pipeline size (None when Megatron is not initialised)."""
+    if vp_size is not None:
+        return vp_size
+    try:
+        from megatron.core import parallel_state
+        return parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    except Exception:      # Megatron not initialised: no virtual stages
+        return None
+
+
 def record_installed(config: PipelineConfig | None) -> None:
     """What ``install()`` routed Megatron to; None when ``uninstall()`` gave Megatron its own back."""
     if config is None:

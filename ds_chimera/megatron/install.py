@@ -16,7 +16,7 @@ import os
 import sys
 
 from ..config import PipelineConfig
-from .choice import ENV_SCHEDULE, chosen_schedule, record_installed
+from .choice import ENV_SCHEDULE, chosen_schedule, record_installed, virtual_pipeline_size
 from .runner import forward_backward_func_for
 
 _STATE: dict = {}
@@ -26,16 +26,6 @@ def _bound(module):
     """A module's own ``get_forward_backward_func`` (its __dict__: some modules' __getattr__ raise)."""
     namespace = getattr(module, "__dict__", None)
     return namespace.get("get_forward_backward_func") if isinstance(namespace, dict) else None
-
-
-def _virtual_stages(vp_size):
-    if vp_size is not None:
-        return vp_size
-    try:
-        from megatron.core import parallel_state
-        return parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    except Exception:      # Megatron not initialised: no virtual stages
-        return None
 
 
 def install(schedule: str | None = None, argv: list | None = None, **options):
@@ -57,7 +47,7 @@ def install(schedule: str | None = None, argv: list | None = None, **options):
 
     def ds_chimera_get_forward_backward_func(pp_size=None, vp_size=None, **_):
         chosen = config
-        virtual = _virtual_stages(vp_size)
+        virtual = virtual_pipeline_size(vp_size)
         if virtual and virtual > 1:
             chosen = config.with_default_option("chunks", virtual)
         key = json.dumps(dict(chosen.options), sort_keys=True)

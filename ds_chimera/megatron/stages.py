@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import PipelineConfig
-from .choice import installed_choice
+from .choice import installed_choice, virtual_pipeline_size
 
 DEFAULT_SEED = 1234
 
@@ -111,11 +111,7 @@ def chosen_config(schedule: str | None, options: dict, where: str) -> PipelineCo
     if installed is not None and schedule == installed.schedule:
         options = {**installed.options, **options}
     config = PipelineConfig.from_megatron(schedule, options, where=where)
-    try:
-        from megatron.core import parallel_state
-        virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    except Exception:      # Megatron not initialised: the schedule's default
-        virtual = None
+    virtual = virtual_pipeline_size()
     if virtual and virtual > 1:
         config = config.with_default_option("chunks", virtual)
     return config
