@@ -122,8 +122,7 @@ class PipelineConfig:
         """ZeRO limits that depend on the schedule's placement, refused with the reason."""
         zero, name = self.zero_stage, schedule.name
         if zero == 1:
-            placement = schedule.placement
-            replicated = [s for s in range(placement.num_stages) if len(placement.stage_group(s)) > 1]
+            replicated = schedule.placement.replicated_stages()
             if replicated:
                 raise ValueError(f"ZeRO stage 1 with schedule {name!r} is not supported: its stages are "
                                  f"replicated across pipeline ranks (stages {replicated[:4]}...), and ZeRO-1's "
@@ -175,8 +174,7 @@ class PipelineConfig:
         if interval is not None:
             interval = check_int('"pipeline"', "activation_checkpoint_interval", interval, 0)
         stages = section.get("stages")
-        if stages is not None and stages != AUTO:
-            stages = check_int('"pipeline"', "stages", stages, 1)
+        stages = None if stages in (None, AUTO) else check_int('"pipeline"', "stages", stages, 1)
         return cls(
             schedule=name, options=options,
             program_file=str(runtime[PROGRAM]) if name == PROGRAM else None,
@@ -184,7 +182,7 @@ class PipelineConfig:
             trace_dir=trace_dir,
             partition_method=_partition_method(runtime.get("partition_method")),
             activation_checkpoint_interval=interval,
-            stages=None if stages == AUTO else stages,
+            stages=stages,
             zero_stage=zero,
             zero1_reduce=check_choice('"pipeline"', "zero1_reduce", runtime.get("zero1_reduce", "chunk"),
                                       ZERO1_REDUCE),

@@ -31,11 +31,11 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ..config import DEFAULT_TIMEOUT_S, PipelineConfig
 from ..runtime import faults
 from ..runtime.executor import StepExecutor
 from ..runtime.groups import PipelineGroups
 from ..runtime.p2p import P2P, wait_or_fail
-from ..config import DEFAULT_TIMEOUT_S, PipelineConfig
 from ..runtime.plan import proven_programs
 from ..schedules.lowering import without_global_clip
 from .chunk_checks import check_chunks, check_split_backward
@@ -47,7 +47,7 @@ from .stages import pipeline_group
 
 def _pipeline_groups(placement, pp_ranks: list, nccl: bool, timeout_s: float) -> PipelineGroups:
     """The replica (and NCCL edge) groups of every pipeline group of the world, each within its pipeline."""
-    replicated = [s for s in range(placement.num_stages) if len(placement.stage_group(s)) > 1]
+    replicated = placement.replicated_stages()
     if not replicated and not nccl:
         return PipelineGroups(placement, [pp_ranks], 0, timeout_s, stages=[])
     everyone = [None] * dist.get_world_size()
@@ -58,8 +58,8 @@ def _pipeline_groups(placement, pp_ranks: list, nccl: bool, timeout_s: float) ->
 
 
 class PipelineShapeError(ValueError, RuntimeError):
-    """A ``num_microbatches`` (or pipeline size) the schedule cannot run: Megatron's own schedules raise RuntimeError for it
-    (its tests expect that), ds_chimera's checks ValueError; this is both."""
+    """A ``num_microbatches`` (or pipeline size) the schedule cannot run: Megatron's own schedules raise
+    RuntimeError for it (its tests expect that), ds_chimera's checks ValueError; this is both."""
 
 
 class ScheduleRunner:

@@ -150,7 +150,7 @@ def build_model_chunks(model_provider, schedule: str | None = None, *, micro_bat
 
 def _broadcast_replicas(chunks: list, placement, rank: int, group) -> None:
     """Replicas of a stage start identical: the lowest rank holding it broadcasts its weights."""
-    replicated = [s for s in range(placement.num_stages) if len(placement.stage_group(s)) > 1]
+    replicated = placement.replicated_stages()
     if not replicated:
         return
     ranks = dist.get_process_group_ranks(group) if group is not dist.group.WORLD else \

@@ -147,16 +147,21 @@ class ScheduledPipelineEngine(PipelineEngine):
         if trace:
             self._write_trace()
         self._print_progress(time.perf_counter() - start)
-        self._write_monitor_events(("Train/Samples/lr", self.get_lr()[0]),
-                                   ("Train/Samples/train_loss", self.agg_train_loss.mean().item()))
+        if self._monitoring():
+            self._write_monitor_events(("Train/Samples/lr", self.get_lr()[0]),
+                                       ("Train/Samples/train_loss", self.agg_train_loss.mean().item()))
         return self.agg_train_loss
 
+    def _monitoring(self) -> bool:
+        """Whether this rank writes monitor events (rank 0, a monitor enabled): the values are read only then,
+        so other ranks never wait on a device for them."""
+        return self.global_rank == 0 and self.monitor.enabled
+
     def _write_monitor_events(self, *events) -> None:
-        """The events the stock engine writes to its monitors (TensorBoard, W&B, Comet, CSV), on rank 0
-        alone, at the samples seen so far: the same names, steps and values under every schedule."""
-        if self.global_rank == 0 and self.monitor.enabled:
-            self.summary_events = [(name, value, self.global_samples) for name, value in events]
-            self.monitor.write_events(self.summary_events)
+        """The events the stock engine writes to its monitors (TensorBoard, W&B, Comet, CSV), at the samples
+        seen so far: the same names, steps and values under every schedule."""
+        self.summary_events = [(name, value, self.global_samples) for name, value in events]
+        self.monitor.write_events(self.summary_events)
 
     def _train_call(self, trace: bool):
         """One train_batch: the program is the whole step (syncs, clipping and the step included)."""
@@ -196,7 +201,8 @@ class ScheduledPipelineEngine(PipelineEngine):
                 self.host.begin(self._load_batches(self.micro_batches), train=False)
                 loss_sum, _ = self.executor.run(self.plan.eval_program.ops[self.pipe_rank], train=False, scale=1.0)
                 loss = self._aggregate_loss(loss_sum, self.micro_batches)
-            self._write_monitor_events(("Train/Samples/eval_loss", loss.mean().item()))
+            if self._monitoring():
+                self._write_monitor_events(("Train/Samples/eval_loss", loss.mean().item()))
             return loss
         finally:
             self.data_iterator = saved

@@ -82,6 +82,10 @@ class Placement:
         """Ranks holding a replica of ``stage``: they all-reduce its gradients."""
         return tuple(sorted({ranks[stage] for ranks in self.stage_ranks}))
 
+    def replicated_stages(self) -> list:
+        """The stages held by more than one rank (Chimera's replicas), whose gradients are all-reduced."""
+        return [s for s in range(self.num_stages) if len(self.stage_group(s)) > 1]
+
     def weights_per_rank(self) -> list:
         """Weights held per rank, in units of one stage's worth (one rank's share) of layers."""
         held = [0.0] * self.num_ranks
