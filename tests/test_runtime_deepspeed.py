@@ -34,7 +34,9 @@ OTHER = ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv", "actckpt-4x1-chime
          "bad-async-steps-ahead"]
 INPLACE = ["gpipe", "1f1b", "interleaved", "chimera", "zb-h1", "zbv"]
 MONITORED = ["1f1b", "chimera", "zbv"]
-OTHER += ["inplace-actckpt", "monitors"]
+OTHER += ["inplace-actckpt", "monitors", "param-groups", "param-groups-forms", "param-groups-zero1-2x2",
+          "param-groups-zero3-2x2", "bad-zero3-groups", "bad-groups-left-out", "eval-arguments", "batch-size-change",
+          "bad-batch-size-interleaved", "bad-batch-size-async", "bad-eval-reduce"]
 ASYNC_OPTIONS = {"pipeoptim-code": {"steps_ahead": "code"}, "pipeoptim-last": {"predictor": "last-update"}}
 ASYNC_KEYS = ["pipedream", "pipedream-2bw", "pipeoptim", "spectrain", "pipeoptim-code", "pipeoptim-last"]
 ASYNC_BF16 = ["async-bf16-4x1-pipeoptim", "async-bf16-2x2-pipedream"] + (["async-bf16-4x1-spectrain"] if FULL else [])
@@ -232,6 +234,13 @@ def test_global_norm_clipping_where_deepspeed_stock_is_wrong(results):
     ("bad-batch-split", "train_batch_size 10 is not divisible by train_micro_batch_size_per_gpu 4 x data-parallel "
                         "size 1"),
     ("bad-load-other-schedule", "its optimizer state does not map onto these chunks. Load the weights only"),
+    ("bad-zero3-groups", "model_parameters has parameter groups with different options, and ZeRO stage 3 with "
+                         "pipeline schedules steps one flat shard per chunk"),
+    ("bad-groups-left-out", "model_parameters leaves out the trainable parameter bias of layer 0"),
+    ("bad-batch-size-interleaved", "set_train_batch_size(12): interleaved needs micro_batches to be a multiple of "
+                                   "stages (4), got 6"),
+    ("bad-batch-size-async", "set_train_batch_size(8) with the asynchronous schedule 'pipedream'"),
+    ("bad-eval-reduce", "eval_batch: reduce_output must be 'avg' or None, got 'sum'"),
 ])
 def test_bad_config_fails_at_initialize(results, scenario, message):
     assert message in (results[scenario]["error"] or "")
@@ -253,6 +262,64 @@ def test_activation_checkpointing_with_in_place_layers_trains_as_the_stock_engin
     r = results["inplace-actckpt"]
     assert len(r[name]) == len(r["stock"]) == 2
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r[name], r["stock"])), (name, r)
+
+
+PARAM_GROUPS = [("param-groups", f"{s}/groups") for s in ("1f1b", "chimera", "interleaved", "zbv")] + [
+    ("param-groups-forms", "chimera/instance"), ("param-groups-forms", "chimera/one-named-group"),
+    ("param-groups-zero1-2x2", "breadth-first/groups"), ("param-groups-zero3-2x2", "breadth-first/one-named-group")]
+
+
+@pytest.mark.parametrize("scenario,case", PARAM_GROUPS)
+def test_parameter_groups_train_as_on_the_stock_engine(results, scenario, case):
+    """Weight-decay groups with their own lr (model_parameters, or an optimizer instance holding them), and
+    DeepSpeed's one named group: every layer's weights after 3 AdamW steps equal the stock engine's, and the
+    engine's optimizer carries the user's groups and options."""
+    r = results[scenario][case]
+    assert r["layers"] and r["tensors"] == 16
+    assert r["max_param_diff"] <= 1e-6, r
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["losses"], r["stock_losses"])), r
+    if case.endswith("one-named-group"):
+        assert r["groups"] == [[["lr", 0.05], ["name", "all"], ["weight_decay", 0.01]]]
+    else:
+        assert r["groups"] == [[["lr", 0.05], ["weight_decay", 0.1]], [["lr", 0.02], ["weight_decay", 0.0]]]
+
+
+def _close(a, b, tol=1e-5) -> bool:
+    """Nested lists of floats (or None) equal within a relative tolerance; a scalar equals a 1-element list."""
+    if isinstance(a, list) and len(a) == 1 and not isinstance(b, list):
+        a = a[0]
+    if isinstance(b, list) and len(b) == 1 and not isinstance(a, list):
+        b = b[0]
+    if a is None or b is None:
+        return a is None and b is None
+    if isinstance(a, list) or isinstance(b, list):
+        return isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and \
+            all(_close(x, y, tol) for x, y in zip(a, b))
+    return abs(a - b) <= tol * max(1.0, abs(b))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "chimera", "zbv"])
+def test_eval_batch_arguments_return_what_the_stock_engine_returns(results, name):
+    """return_logits, compute_loss=False, reduce_output=None, bcast_loss=False, num_micro_batches: every
+    rank's value as the stock engine's (Chimera's up pipeline ends on rank 0: its results reach rank 3)."""
+    r = results["eval-arguments"]
+    stock, ours = r["stock"], r[name]
+    for rank in ("0", "1", "2", "3"):
+        for case in ("outputs", "logits", "list", "half", "default"):
+            assert _close(ours[rank][case], stock[rank][case]), (rank, case, ours[rank][case], stock[rank][case])
+    assert stock["3"]["outputs"] is not None and len(stock["3"]["list"]) == 8     # the comparison has content
+    # reduce_output=None with bcast_loss (the stock engine fails there): the list on every rank
+    for rank in ("0", "1", "2", "3"):
+        assert _close(ours[rank]["list-bcast"], stock["3"]["list"])
+
+
+@pytest.mark.parametrize("name", ["1f1b", "chimera", "interleaved", "zbv"])
+def test_set_train_batch_size_rebuilds_the_schedule(results, name):
+    """8, then 4, then 16 micro-batches: the losses and weights of the stock engine doing the same."""
+    r = results["batch-size-change"][name]
+    assert r["micro_batches"] == [8, 4, 16]
+    assert r["tensors"] == 16 and r["max_param_diff"] <= 1e-6, r
+    assert _close(r["losses"], r["stock_losses"]), r
 
 
 @pytest.mark.parametrize("name", MONITORED)

@@ -9,9 +9,9 @@ which reads and sets the learning rate of these groups, as in a plain run.
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
+
+from ..runtime.param_groups import rebuild_optimizer
 
 
 def torch_optimizer(optimizer):
@@ -36,10 +36,6 @@ def chunk_optimizer_factory(hf_optimizer, hf_model, names_of):
             group_of[hf_names.get(id(p))] = index
     group_of.pop(None, None)
     cls = type(hf_optimizer)
-    accepted = inspect.signature(cls.__init__).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    # defaults can hold more than the constructor takes (AdamW's inherited decoupled_weight_decay)
-    defaults = {k: v for k, v in hf_optimizer.defaults.items() if takes_any or k in accepted}
 
     def make(params):
         names = names_of()
@@ -52,12 +48,7 @@ def chunk_optimizer_factory(hf_optimizer, hf_model, names_of):
             buckets[group_of[name]].append(p)
         groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": bucket}
                   for group, bucket in zip(hf_optimizer.param_groups, buckets) if bucket]
-        try:
-            return cls(groups, **defaults)
-        except TypeError as exc:
-            raise ValueError(f"ds_chimera cannot rebuild the Trainer's optimizer {cls.__name__} over the pipeline's "
-                             f"parameters from its defaults ({exc}); configure the optimizer in the DeepSpeed "
-                             f"config's \"optimizer\" section instead") from exc
+        return rebuild_optimizer(hf_optimizer, groups)
     return make
 
 

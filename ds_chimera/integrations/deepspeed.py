@@ -188,16 +188,19 @@ def _wave_batch_size(config: dict, world: int, wave_size: int) -> None:
 
 
 def _rebind_optimizer(optimizer, model):
-    """An optimizer built on the stock stage's parameters is rebuilt on the schedule's chunks."""
+    """An optimizer built on the stock stage's parameters is rebuilt on the schedule's chunks, with
+    its parameter groups and their options (see runtime/param_groups.py)."""
     import torch
     if not isinstance(optimizer, torch.optim.Optimizer):
         return optimizer    # None (config optimizer) or a callable taking the parameters
-    if len(optimizer.param_groups) != 1 or optimizer.state:
-        raise ValueError("ds_chimera rebuilds the pipeline stages: pass the optimizer as a callable "
-                         "(lambda params: torch.optim.AdamW(params, ...)) or in the config, not an "
-                         "instance with several parameter groups or existing state")
-    params = [p for p in model.parameters() if p.requires_grad]
-    return type(optimizer)(params, **optimizer.defaults)
+    if optimizer.state:
+        raise ValueError("ds_chimera rebuilds the pipeline stages, so an optimizer instance that has already "
+                         "stepped (it has state) cannot follow its parameters; pass it before any step, as a "
+                         "callable (lambda params: torch.optim.AdamW(params, ...)), or in the config")
+    from ..runtime.param_groups import rebuild_optimizer
+    groups = model._ds_chimera_regroup(optimizer.param_groups,
+                                       what=f"the optimizer's ({type(optimizer).__name__}) param_groups")
+    return rebuild_optimizer(optimizer, groups)
 
 
 def _without_config_path(args):

@@ -105,6 +105,12 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
             log.info("%s: weight predictor %r for %s, steps_ahead=%r", schedule.name, self.predictor.name,
                      type(self.optimizer).__name__, schedule.config["steps_ahead"])
 
+    def set_train_batch_size(self, train_batch_size):
+        raise ValueError(f"set_train_batch_size({train_batch_size!r}) with the asynchronous schedule "
+                         f"{self.schedule.name!r}: its update interval, weight versions and prediction gaps are "
+                         f"set up for {self.micro_batches} micro-batches per call; build a new engine for another "
+                         f"batch size (the synchronous schedules rebuild their programs in place)")
+
     @property
     def record_versions(self) -> bool:
         return self.host.record_versions

@@ -20,6 +20,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from ..logs import get_logger
 from . import checkpoint as ckpt
 from . import faults
+from .eval_outputs import RecordingHost, broadcast_losses, check_eval_arguments, collect, reduce_outputs
 from .executor import StepExecutor
 from .host import PipelineHost
 from .p2p import post_or_fail, wait_or_fail
@@ -186,31 +187,78 @@ class ScheduledPipelineEngine(PipelineEngine):
 
     def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg",
                    bcast_loss=True, num_micro_batches=None):
-        if return_logits or not compute_loss or reduce_output != "avg":
-            raise ValueError("ds_chimera eval_batch supports return_logits=False, compute_loss=True, "
-                             f"reduce_output='avg'; got return_logits={return_logits}, "
-                             f"compute_loss={compute_loss}, reduce_output={reduce_output!r}")
-        if num_micro_batches not in (None, self.micro_batches):
-            raise ValueError(f"ds_chimera eval_batch runs the schedule's {self.micro_batches} micro-batches; "
-                             f"got num_micro_batches={num_micro_batches}")
+        """The stock engine's ``eval_batch``, every argument included (see :mod:`.eval_outputs`).
+
+        The default arguments return the mean loss on every rank (``bcast_loss=False`` too: the value is
+        there anyway); the others follow the stock engine, results on its last stage's rank."""
+        check_eval_arguments(reduce_output, num_micro_batches)
+        micro_batches = self.micro_batches if num_micro_batches is None else num_micro_batches
+        program = self._eval_program(micro_batches)
+        plain = compute_loss and not return_logits and reduce_output is not None
         self.module.eval()
         saved = self.data_iterator
         self.set_dataiterator(data_iter)
         try:
             with torch.no_grad(), self._guard("eval_batch"):
-                self.host.begin(self._load_batches(self.micro_batches), train=False)
-                loss_sum, _ = self.executor.run(self.plan.eval_program.ops[self.pipe_rank], train=False, scale=1.0)
-                loss = self._aggregate_loss(loss_sum, self.micro_batches)
-            if self._monitoring():
+                batches = self._load_batches(micro_batches)
+                if plain:
+                    result, logits = self._eval_mean_loss(program, batches, micro_batches), None
+                else:
+                    result, logits = self._eval_recorded(program, batches, micro_batches, return_logits,
+                                                         compute_loss, reduce_output, bcast_loss)
+            if self._monitoring() and compute_loss and result is not None:
+                loss = result if isinstance(result, torch.Tensor) else torch.stack(list(result)).mean()
                 self._write_monitor_events(("Train/Samples/eval_loss", loss.mean().item()))
-            return loss
+            return (result, logits) if return_logits else result
         finally:
             self.data_iterator = saved
             self.module.train()
 
+    def _eval_program(self, micro_batches: int):
+        """This rank's forward-only ops for ``micro_batches`` (another count than training's is built once)."""
+        if micro_batches == self.micro_batches:
+            return self.plan.eval_program.ops[self.pipe_rank]
+        cache = self.__dict__.setdefault("_eval_programs", {})
+        if micro_batches not in cache:
+            from .plan import with_micro_batches
+            cache[micro_batches] = with_micro_batches(self.plan, micro_batches,
+                                                      f"eval_batch(num_micro_batches={micro_batches})")
+        return cache[micro_batches].eval_program.ops[self.pipe_rank]
+
+    def _eval_mean_loss(self, ops, batches: dict, micro_batches: int):
+        self.host.begin(batches, train=False)
+        loss_sum, _ = self.executor.run(ops, train=False, scale=1.0)
+        return self._aggregate_loss(loss_sum, micro_batches)
+
+    def _eval_recorded(self, ops, batches: dict, micro_batches: int, return_logits: bool, compute_loss: bool,
+                       reduce_output, bcast_loss: bool):
+        recorded = RecordingHost(self.host, compute_loss, micro_batches - 1 if return_logits else None)
+        self.host.begin(batches, train=False)
+        StepExecutor(recorded).run(ops, train=False, scale=1.0)
+        values, logits = collect(self, recorded, micro_batches, return_logits)
+        result = reduce_outputs(self, values, reduce_output, micro_batches) if values is not None else None
+        if compute_loss and (bcast_loss or self.monitor.enabled):
+            result = broadcast_losses(self, result, reduce_output, micro_batches)
+        return result, logits
+
     def set_train_batch_size(self, train_batch_size):
-        raise ValueError("ds_chimera schedules are built for a fixed number of micro-batches "
-                         f"({self.micro_batches}); changing the batch size needs a new engine")
+        """The stock engine's batch-size change (more or fewer micro-batches of the same size): the schedule's
+        programs are built and proven for the new count before anything changes."""
+        from .plan import with_micro_batches
+        per_step = self.train_micro_batch_size_per_gpu() * self.dp_size
+        if not isinstance(train_batch_size, int) or train_batch_size < per_step or train_batch_size % per_step:
+            raise ValueError(f"set_train_batch_size: train_batch_size must be a positive multiple of "
+                             f"train_micro_batch_size_per_gpu x data-parallel size = {per_step}, got "
+                             f"{train_batch_size!r}")
+        micro_batches = train_batch_size // per_step
+        plan = with_micro_batches(self.plan, micro_batches, f"set_train_batch_size({train_batch_size})")
+        super().set_train_batch_size(train_batch_size)
+        self.plan = self.host.plan = self.module._ds_chimera_plan = plan
+        self.schedule = plan.schedule
+        self.__dict__.pop("_eval_programs", None)
+        if self.global_rank == 0:
+            log.info("schedule %r rebuilt for %d micro-batches (train_batch_size %d)", self.schedule.name,
+                     micro_batches, train_batch_size)
 
     def reset_activation_shape(self):
         super().reset_activation_shape()

@@ -83,14 +83,35 @@ def make_plan(config: PipelineConfig, num_stages: int, dp: int, num_layers: int,
                     f"section" if most >= 1 else "; use fewer pipeline stages")
         raise ValueError(f"schedule {config.schedule!r} cuts the model into {schedule.placement.num_stages} stages "
                          f"but the PipelineModule has only {num_layers} layers{hint}")
+    program, eval_program = _programs(config, schedule)
+    parts = parts_fn(schedule.placement.num_stages, config.partition_method)
+    return Plan(schedule, program, eval_program, parts, config)
+
+
+def _programs(config: PipelineConfig, schedule: Schedule) -> tuple:
     program, eval_program = proven_programs(schedule)
     if config.sharded:
         program, eval_program = sharded_programs(program, eval_program, config.zero_stage,
                                                  config.reshard_after_forward)
     if schedule.synchronous and not config.global_norm:
         program = without_global_clip(program)
-    parts = parts_fn(schedule.placement.num_stages, config.partition_method)
-    return Plan(schedule, program, eval_program, parts, config)
+    return program, eval_program
+
+
+def with_micro_batches(plan: Plan, micro_batches: int, what: str) -> Plan:
+    """The same schedule, options and layer cut with its programs built for another micro-batch count
+    (``set_train_batch_size``, ``eval_batch(num_micro_batches=)``). ``what`` names the caller's argument
+    in the error a count the schedule cannot run raises."""
+    try:
+        schedule = plan.config.build_schedule(plan.schedule.stages, micro_batches)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from exc
+    if schedule.placement.chunks != plan.placement.chunks:
+        raise ValueError(f"{what}: schedule {plan.schedule.name!r} places its chunks differently for "
+                         f"{micro_batches} micro-batches than for {plan.schedule.micro_batches}, so the layers "
+                         f"built on each rank would not serve it; build a new engine")
+    program, eval_program = _programs(plan.config, schedule)
+    return Plan(schedule, program, eval_program, plan.parts, plan.config)
 
 
 def sharded_programs(program: Program, eval_program: Program, zero: int, reshard: bool) -> tuple:

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 
-import torch
+import functools
+
 from torch import nn
 
 from ..logs import get_logger
 from ..schedules.actions import split_chunks
 from ..config import PipelineConfig
+from .param_groups import distinct_options, remap_groups, stock_parameter_keys
 from .plan import make_plan
 
 log = get_logger()
@@ -29,7 +31,7 @@ def prepare_module(module, config: PipelineConfig, model_parameters):
                          f"{grid.get_slice_parallel_world_size()}")
     num_stages = grid.pipe_parallel_size
     dp = grid.data_parallel_size
-    old_params = {id(p): p.requires_grad for p in module.parameters()}   # the stock stage's, about to go
+    stock_keys = stock_parameter_keys(module)        # the stock stage's parameters, about to go
     if model_parameters is not None:
         # model.parameters() is a generator: read it now, before the stock stage's layers are replaced
         model_parameters = list(model_parameters)
@@ -72,15 +74,41 @@ def prepare_module(module, config: PipelineConfig, model_parameters):
         cut = ", ".join(f"stage {s}: layers [{plan.parts[s]}, {plan.parts[s + 1]})"
                         for s in range(plan.placement.num_stages))
         log.info("schedule %r; %s", plan.schedule, cut)
-    params = _remap_parameters(module, model_parameters, old_params)
     if zero >= 2:
         # the optimizer steps this rank's shards: one flat 1/DP slice per chunk (see .sharding)
         from .sharding import ChunkShards
         shards = ChunkShards({chunk.index: chunk for chunk in chunks}, grid.get_data_parallel_group(),
                              grid.get_data_parallel_id(), dp, zero, plan.timeout_s)
         module._ds_chimera_shards = shards
-        params = shards.shard_params
-    return params
+    # an optimizer instance's groups are carried over the same way, after this returns
+    module._ds_chimera_regroup = functools.partial(_regroup, module, stock_keys=stock_keys, zero=zero)
+    return module._ds_chimera_regroup(model_parameters, what="model_parameters")
+
+
+def _regroup(module, model_parameters, *, stock_keys: dict, zero: int, what: str):
+    """``model_parameters`` (or an optimizer's groups) over the chunks: see :mod:`.param_groups`."""
+    if model_parameters is None or not model_parameters:
+        # DeepSpeed then takes model.parameters(): the chunks' (or, under ZeRO-2/3, their shards)
+        return module._ds_chimera_shards.shard_params if zero >= 2 else None
+    groups, plain = remap_groups(model_parameters, stock_keys, module, _all_gather_object)
+    if zero >= 2:
+        if distinct_options(groups) > 1:
+            raise ValueError(f"{what} has parameter groups with different options, and ZeRO stage {zero} with "
+                             f"pipeline schedules steps one flat shard per chunk, which takes one set of options; "
+                             f"set zero_optimization.stage to 0 or 1, or give every group the same options")
+        shards = module._ds_chimera_shards.shard_params
+        options = {k: v for k, v in groups[0].items() if k != "params"} if groups else {}
+        return shards if plain else [{**options, "params": shards}]
+    if plain:
+        return [p for group in groups for p in group["params"]]
+    return groups
+
+
+def _all_gather_object(obj) -> list:
+    import torch.distributed as tdist
+    out = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, obj)
+    return out
 
 
 def _refuse_ties_under_sharding(module, zero: int) -> None:
@@ -143,8 +171,6 @@ def _checkpoint_function(module, plan):
     replaces DeepSpeed's two built-in functions; a user's own function is kept unless the
     schedule splits the backward.
     """
-    import functools
-
     import torch.utils.checkpoint
     from deepspeed.runtime.activation_checkpointing import checkpointing
     split = any(split_chunks(order) for order in plan.schedule.orders)
@@ -161,20 +187,3 @@ def _infer_method(module, num_stages: int) -> str:
         if list(partition(module, num_stages, method)) == list(module.parts):
             return method
     return "parameters"
-
-
-def _remap_parameters(module, model_parameters, old_params: dict):
-    if model_parameters is None:
-        return None
-    given = list(model_parameters)
-    if given and all(isinstance(p, torch.Tensor) for p in given) and all(id(p) in old_params for p in given):
-        trainable = {pid for pid, requires_grad in old_params.items() if requires_grad}
-        if {id(p) for p in given} >= trainable:
-            return [p for p in module.parameters() if p.requires_grad]
-        raise ValueError("model_parameters is a subset of the PipelineModule's parameters; ds_chimera rebuilds "
-                         "the stages and cannot tell which rebuilt parameters it means: freeze the others with "
-                         "requires_grad=False in the layers instead")
-    if not given:
-        return [p for p in module.parameters() if p.requires_grad]
-    raise ValueError("ds_chimera rebuilds the pipeline stages a schedule needs, so model_parameters must be "
-                     "None or model.parameters() of the PipelineModule; parameter groups are not supported yet")
