@@ -40,9 +40,11 @@ class Case:
     fault: str
     timeout: float = 8.0
     monitor: bool = True       # False: DS_CHIMERA_FAULT_MONITOR=0, the bounded waits alone end the job
+    catch: bool = False        # every rank catches train_batch's exception and ends normally
 
     def __str__(self) -> str:
-        return f"{self.engine}-rank{self.victim}-{self.point}-{self.fault}" + ("" if self.monitor else "-nomonitor")
+        return f"{self.engine}-rank{self.victim}-{self.point}-{self.fault}" + ("" if self.monitor else "-nomonitor") \
+            + ("-caught" if self.catch else "")
 
     @property
     def bound(self) -> float:
@@ -65,6 +67,8 @@ def _env(case: Case, phase: str) -> dict:
         env["CHAOS"] = f"{case.victim}:{case.point}:{case.fault}"
     if not case.monitor:
         env["DS_CHIMERA_FAULT_MONITOR"] = "0"
+    if case.catch:
+        env["CATCH"] = "1"
     return env
 
 
@@ -95,7 +99,9 @@ def run_case(case: Case, out: str, start_up_s: float = 240.0, resume: bool = Tru
         if fault_at is None and os.path.exists(os.path.join(out, "fault.json")):
             fault_at = json.load(open(os.path.join(out, "fault.json")))["time"]
             deadline = fault_at + case.bound + 20.0         # room to see a late exit, beyond the bound
-        if all(r in exits for r in range(WORLD) if r != case.victim):
+        # a caught failure ends every process normally, the victim's included (unless it was killed)
+        waits_for_victim = case.catch and case.fault != "kill"
+        if all(r in exits for r in range(WORLD) if r != case.victim or waits_for_victim):
             break
         time.sleep(0.05)
     for rank, (proc, log) in enumerate(procs):
@@ -104,6 +110,8 @@ def run_case(case: Case, out: str, start_up_s: float = 240.0, resume: bool = Tru
             proc.wait()
         log.close()
     result = {"fault_at": fault_at, "exits": {r: exits.get(r) for r in range(WORLD)}, "fault_logs": _logs(out, "fault")}
+    caught = [os.path.join(out, f"caught-rank{r}.json") for r in range(WORLD)]
+    result["caught"] = [json.load(open(path)) if os.path.exists(path) else None for path in caught]
     if not resume:
         return result
     procs = _start(case, out, "resume")
@@ -155,4 +163,30 @@ def check_case(case: Case, result: dict) -> float:
             assert sorted(got) == list(range(2, 6))
             assert all(abs(got[s] - resumed["reference"][s]) <= 1e-5 for s in got), (case, rank, got,
                                                                                        resumed["reference"])
+    return worst
+
+
+def check_caught(case: Case, result: dict) -> float:
+    """Every rank's train_batch raised (the victim its own error, the others JobFailed naming it) within the
+    bound, a second call raised at once, and every surviving process ended normally (exit code 0)."""
+    assert result["fault_at"] is not None, f"{case}: the fault never fired\n{result['fault_logs'][case.victim][-3000:]}"
+    worst = 0.0
+    for rank in range(WORLD):
+        log = result["fault_logs"][rank]
+        if rank == case.victim and case.fault == "kill":
+            continue
+        got = result["caught"][rank]
+        assert got is not None, f"{case}: rank {rank} caught nothing\n{log[-3000:]}"
+        first, again = got["caught"], got["again"]
+        if rank == case.victim:
+            assert first["type"] == "RuntimeError" and "chaos: injected failure" in first["message"], (case, first)
+        else:
+            assert first["type"] == "JobFailed" and f"ds_chimera: rank {case.victim} failed" in first["message"], \
+                (case, rank, first)
+        worst = max(worst, first["time"] - result["fault_at"])
+        assert again["type"] == "JobFailed" and again["seconds"] < 1.0, (case, rank, again)
+        exited = result["exits"][rank]
+        assert exited is not None and exited[1] == 0, f"{case}: rank {rank} did not end normally ({exited})\n" \
+                                                      f"{log[-3000:]}"
+    assert worst <= case.bound, f"{case}: a rank raised {worst:.1f}s after the fault (bound {case.bound:g}s)"
     return worst

@@ -9,7 +9,7 @@ import os
 import pytest
 
 import tiers
-from chaos import Case, check_case, grid, run_case
+from chaos import Case, check_caught, check_case, grid, run_case
 
 # Within the CI budget: each fault kind once over three engines, and a stopped rank 0 (under env://
 # it hosts the rendezvous store, the channel that carries the news: the others must notice its
@@ -27,3 +27,13 @@ CASES = SUITE if not GRID else [(case, True) for case in grid(seed=0, size=None 
 @pytest.mark.parametrize("case,resume", CASES, ids=lambda c: str(c) if isinstance(c, Case) else "")
 def test_one_rank_fails_every_rank_ends(case, resume, tmp_path):
     check_case(case, run_case(case, str(tmp_path), resume=resume))
+
+
+# A script that catches train_batch's exception (to save, report or clean up), as DeepSpeed's own test
+# harness does: every rank gets an exception within seconds and its process carries on.
+CAUGHT = [Case("chimera", 1, "forward", "raise", catch=True), Case("zbv", 2, "backward", "kill", catch=True)]
+
+
+@pytest.mark.parametrize("case", CAUGHT, ids=str)
+def test_a_caught_failure_raises_on_every_rank_and_the_processes_go_on(case, tmp_path):
+    check_caught(case, run_case(case, str(tmp_path), resume=False))

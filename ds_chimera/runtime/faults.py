@@ -6,17 +6,24 @@ runs one :class:`FaultMonitor` (a daemon thread on a clone of the default store)
 
 - publishes a heartbeat (a counter, so clocks never need to agree) every ``BEAT_S``;
 - watches one key, ``failed``: the first failure, written once (compare-and-set) with the
-  origin rank and its exception. A rank that sees it logs
-  ``ds_chimera: rank R failed: <exception>`` and exits at once (``os._exit``): its own
-  threads may be blocked in gloo, and waiting would only wait for the timeout;
+  origin rank and its exception. A rank that sees it raises :class:`JobFailed`
+  (``ds_chimera: rank R failed: <exception>``) in its ds_chimera call: the call's waits for
+  messages run on a helper thread (:func:`wait_interruptibly`) and the call's thread stops
+  waiting within ``BEAT_S``; a call that starts later raises at once. The exception is the
+  caller's to catch (to save, report, clean up); uncaught, it ends the process with that one
+  line. A rank that cannot be reached that way (stuck in a blocking collective outside
+  ds_chimera's waits, or in user code that never calls in again) exits within
+  ``DELIVER_S`` (``os._exit``), as it would have to anyway;
 - watches the others' heartbeats: a rank on this host whose process is gone is reported
   dead within seconds; any rank silent for longer than the pipeline timeout is reported
   hung (stopped, or stuck where nothing else would notice).
 
 Work on every engine (``train_batch``, ``eval_batch``, checkpoints, ``drain``, Wavelet's
 steps, Megatron's forward-backward call) runs under :meth:`FaultMonitor.guard`: an
-exception publishes the failure before it propagates, and the raising rank exits shortly
-after (``LINGER_S``) if its caller does not, so it never lingers. A communication error
+exception publishes the failure before it propagates to the caller, who may catch it as
+with the stock engine. The job is failed from then on: its process groups may hold
+half-posted messages, so every later guarded call on every rank raises :class:`JobFailed`
+instead of running into them. A communication error
 (a peer's connection closed, a bounded wait expired) is not the rank's own fault: the
 guard first looks for the real origin (a published failure, a dead process, a silent
 heartbeat), so the neighbour whose message did not come is not blamed.
@@ -45,7 +52,7 @@ log = get_logger()
 BEAT_S = 0.25             # heartbeat and polling period
 DEAD_AFTER_S = 1.5        # silence after which a rank whose local process is gone is declared dead
 BLAME_WAIT_S = 4.0        # how long a communication error looks for its real origin
-LINGER_S = 3.0            # a rank that raised exits after this long if its caller carries on
+DELIVER_S = 3.0           # a rank whose call cannot be made to raise the failure exits after this long
 HOST_GRACE_S = 3.0        # the store's host waits this long, at most, for the others to read a failure
 EXIT_CODE = 1
 ENV_DISABLE = "DS_CHIMERA_FAULT_MONITOR"      # "0": no monitor (every wait is still bounded)
@@ -56,7 +63,7 @@ STORE_GONE = ("the rendezvous store is unreachable: the process hosting it (rank
 
 
 class JobFailed(RuntimeError):
-    """Another rank failed; this rank stops too."""
+    """Another rank failed (or this job already did): this rank's call stops too. Catchable."""
 
 
 def _process_state(pid: int) -> str | None:
@@ -82,6 +89,10 @@ class FaultMonitor:
         # torch's env:// rendezvous makes rank 0 host the store; torchrun's agent hosts it instead
         self.hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
         self.failed_here = False
+        self.failed = None                  # the job's failure record, once this rank knows it
+        self.delivered = False              # a guarded call raised it (or the origin's own error) to its caller
+        self._failed_at = None              # monotonic time this rank learned of the failure
+        self._waiter = None                 # the helper thread of interruptible waits
         self._stop = threading.Event()
         self._beat_keys = [f"beat/{r}" for r in range(world)]
         self._seen: dict = {}               # rank -> (last counter, local time it changed)
@@ -135,22 +146,51 @@ class FaultMonitor:
     # ---- guarding a rank's work ---------------------------------------------------------------
     @contextlib.contextmanager
     def guard(self, what: str):
-        """Run a unit of work; an exception is published (with its real origin) before it propagates."""
+        """Run a unit of work; an exception is published (with its real origin) before it propagates.
+        Once the job has failed, the work does not start: :class:`JobFailed` names the origin."""
+        if self.failed is not None:
+            self.delivered = True
+            raise JobFailed(self.line(self.failed) + f" [rank {self.rank}: {what} not started; the job failed]")
         previous, self.activity = self.activity, what
         try:
             yield
         except BaseException as exc:
-            if isinstance(exc, (KeyboardInterrupt, SystemExit, JobFailed, GeneratorExit)):
+            if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+                raise
+            if isinstance(exc, JobFailed):
+                self.delivered = True
                 raise
             record = self._report(exc, what)
-            if not self.failed_here:
-                self.failed_here = True
-                self._exit_later()
+            self.failed_here = True
+            self._learn(record)
+            self.delivered = True
             if record["origin"] != self.rank:
                 raise JobFailed(self.line(record)) from exc
             raise
         finally:
             self.activity = previous
+
+    def _learn(self, record: dict) -> None:
+        if self.failed is None:
+            self._failed_at = time.monotonic()
+            self.failed = record
+            _record_exit_codes()
+
+    def check(self) -> None:
+        """Raise :class:`JobFailed` if the job has failed (a waiting call's poll)."""
+        record = self.failed
+        if record is not None:
+            self.delivered = True
+            raise JobFailed(self.line(record) + f" [rank {self.rank} stops too: it was in {self.activity}]")
+
+    def wait_interruptibly(self, work, timeout_s: float) -> None:
+        """``work.wait(timeout)`` on the helper thread, this thread polling for the job's failure.
+
+        gloo cannot cancel a wait (a timed-out one closes the connection, and aborting the group
+        does not wake it), so the wait itself moves to a thread that may be left behind."""
+        if self._waiter is None or self._waiter.stuck:
+            self._waiter = _Waiter()
+        self._waiter.wait(work, timeout_s, self.check)
 
     def _report(self, exc: BaseException, what: str) -> dict:
         from .p2p import PeerTimeout
@@ -184,13 +224,6 @@ class FaultMonitor:
                 return None
             time.sleep(BEAT_S)
 
-    def _exit_later(self) -> None:
-        """The raising rank ends within LINGER_S even if its caller catches the exception."""
-        def linger():
-            time.sleep(LINGER_S)
-            self.exit(f"ds_chimera: rank {self.rank} stopped after its failure")
-        threading.Thread(target=linger, name="ds_chimera-linger", daemon=True).start()
-
     def _uncaught(self, kind, value, traceback) -> None:
         """An exception no one caught, in or out of ds_chimera's calls: publish it, then end at once
         (the interpreter's own shutdown could wait on a stuck process group). Another rank's
@@ -204,7 +237,7 @@ class FaultMonitor:
         self._previous_hook(kind, value, traceback)
         self.exit("")
 
-    def exit(self, message: str) -> None:
+    def exit(self, message: str, code: int = EXIT_CODE) -> None:
         """End this process now (``os._exit``: its threads may be blocked in a process group).
 
         The rank that hosts the rendezvous store (rank 0 under env://) first waits, briefly,
@@ -221,7 +254,7 @@ class FaultMonitor:
                     others = [r for r in others if not self.store.check([f"exiting/{r}"])
                               and not self.store.check([f"done/{r}"]) and self._alive(r)]
                 time.sleep(0.05)
-        _flush_and_exit(message)
+        _flush_and_exit(message, code)
 
     def _alive(self, r: int) -> bool:
         host, pid = self._peer(r)
@@ -289,22 +322,27 @@ class FaultMonitor:
                 # the store's host ended (rank 0 under env://, or the launcher). If it failed, the
                 # process groups fail too, and the guarded work reports it; stop watching
                 return
+            if record is None and suspect is not None:
+                record = self.publish(*suspect)
             if record is not None:
-                if record["origin"] != self.rank or not self.failed_here:
+                self._learn(record)
+                if not self.delivered and time.monotonic() - self._failed_at > DELIVER_S:
                     where = "" if record["origin"] == self.rank else f" [rank {self.rank} stops too: it was in " \
                                                                      f"{self.activity}]"
                     self.exit(self.line(record) + where)
-                continue
-            if suspect is not None:
-                self.exit(self.line(self.publish(*suspect)) + f" [rank {self.rank} stops too: it was in "
-                                                               f"{self.activity}]")
 
     def close(self) -> None:
         """A normal end: the others must not mistake this rank's silence for a death. The watch
         thread and the store's helper end here, before the interpreter finalizes (a daemon
-        thread still in a store call then would abort the process; see BoundedStore.close)."""
+        thread still in a store call then would abort the process; see BoundedStore.close).
+
+        After a failure the caller caught, the process groups hold messages that will never be
+        matched, and destroying them aborts in C++ ("terminate called without an active
+        exception"): the process ends here instead, with the code ``sys.exit`` was given."""
         if self._stop.is_set():
             return
+        if self.failed is not None:
+            self.exit("", _requested_exit_code())
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(BEAT_S + getattr(self.store, "deadline_s", 0.0))
@@ -315,20 +353,78 @@ class FaultMonitor:
             closer()
 
 
+class _Waiter:
+    """A daemon thread that blocks in ``work.wait`` for the calling thread, which polls meanwhile."""
+
+    def __init__(self):
+        import queue
+        self.jobs = queue.SimpleQueue()
+        self.stuck = False
+        threading.Thread(target=self._serve, name="ds_chimera-waiter", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            work, timeout_s, done, errors = self.jobs.get()
+            try:
+                work.wait(timedelta(seconds=timeout_s))
+            except BaseException as exc:       # handed to the waiting thread
+                errors.append(exc)
+            done.set()
+
+    def wait(self, work, timeout_s: float, check) -> None:
+        done, errors = threading.Event(), []
+        self.jobs.put((work, timeout_s, done, errors))
+        while not done.wait(BEAT_S):
+            try:
+                check()
+            except JobFailed:
+                self.stuck = True              # its wait may never end: the next one gets a new thread
+                raise
+        if errors:
+            raise errors[0]
+
+
+_EXIT_CODE = {"code": 0}
+
+
+def _record_exit_codes() -> None:
+    """Remember the code a later ``sys.exit(code)`` asks for: :meth:`FaultMonitor.close` must end a
+    failed job's process itself (see there) and should end it with the script's own code."""
+    if getattr(sys.exit, "_ds_chimera", False):
+        return
+    original = sys.exit
+
+    def exit_recording(code=None):
+        _EXIT_CODE["code"] = code
+        original(code)
+    exit_recording._ds_chimera = True
+    sys.exit = exit_recording
+
+
+def _requested_exit_code() -> int:
+    code = _EXIT_CODE["code"]
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    sys.stderr.write(f"{code}\n")          # sys.exit("message"): printed, status 1, as Python does
+    return 1
+
+
 def _is_comm_error(exc: BaseException) -> bool:
     text = str(exc)
     return any(marker in text for marker in ("Connection closed", "Connection reset", "Broken pipe",
                                              "Timed out waiting", "gloo"))
 
 
-def _flush_and_exit(message: str) -> None:
+def _flush_and_exit(message: str, code: int = EXIT_CODE) -> None:
     try:
         sys.stdout.flush()
         if message:
             sys.stderr.write(message + "\n")
         sys.stderr.flush()
     finally:
-        os._exit(EXIT_CODE)
+        os._exit(code)
 
 
 _MONITOR: FaultMonitor | None = None
@@ -361,6 +457,11 @@ def monitor(timeout_s: float | None = None) -> FaultMonitor | None:
                                     dist.get_rank(), dist.get_world_size(), timeout_s or 300.0)
         elif timeout_s is not None:
             _MONITOR.timeout_s = max(_MONITOR.timeout_s, timeout_s)
+    return _MONITOR
+
+
+def current() -> FaultMonitor | None:
+    """The process's monitor if one is running (never starts one)."""
     return _MONITOR
 
 

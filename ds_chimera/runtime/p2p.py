@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import faults
 from .tensors import as_tuple
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -39,13 +40,21 @@ def wait_or_fail(work, timeout_s: float, what: str, source: str = "ds_chimera", 
     """Wait for ``work``, or for what the callable ``work`` posts, within ``timeout_s`` seconds.
 
     gloo reports a dead peer either when an operation is posted (a closed connection) or
-    while it is awaited (a timeout); both become one clear error naming ``what``.
+    while it is awaited (a timeout); both become one clear error naming ``what``. A wait that
+    would block does so on the fault monitor's helper thread, so another rank's failure stops it
+    (:class:`~.faults.JobFailed`) within a heartbeat instead of the timeout.
     """
     start = time.monotonic()
     try:
         if callable(work):
             work = work()
-        work.wait(timedelta(seconds=timeout_s))
+        monitor = faults.current()
+        if monitor is not None and not work.is_completed():
+            monitor.wait_interruptibly(work, timeout_s)
+        else:
+            work.wait(timedelta(seconds=timeout_s))
+    except faults.JobFailed:
+        raise
     except Exception as exc:
         raise PeerTimeout(f"{source}: {what} did not arrive after {time.monotonic() - start:.1f}s "
                           f"(timeout {timeout_s:g}s): {peer} died or is stuck. Cause: {exc}") from exc

@@ -7,7 +7,9 @@ CHAOS="VICTIM:POINT:FAULT" injects FAULT (raise, kill, stop) at POINT (forward, 
 send, receive, sync, step, save) on rank VICTIM during step FAULT_STEP; PHASE=resume
 instead loads the latest checkpoint and trains the remaining steps. Every rank writes
 OUTDIR/PHASE-rankR.json with its losses and the one-process reference's; the victim
-writes OUTDIR/fault.json with the time it failed.
+writes OUTDIR/fault.json with the time it failed. CATCH=1: every rank wraps train_batch in
+try/except, as a script that saves or reports on failure does, writes what it caught to
+OUTDIR/caught-rankR.json (and what a second train_batch raised), and ends normally.
 """
 import json
 import os
@@ -137,11 +139,31 @@ def run_pipeline(phase: str) -> dict:
     losses = {}
     for step in range(first, STEPS):
         state["step"] = step
+        if os.environ.get("CATCH") == "1":
+            try:
+                losses[step] = engine.train_batch(iter(batches(step))).item()
+            except Exception as exc:
+                return {"caught": caught(exc), "again": call_again(engine, batches(step))}
+            continue
         losses[step] = engine.train_batch(iter(batches(step))).item()
         if step + 1 in SAVE_AFTER:
             engine.save_checkpoint(ckpt, tag=f"global_step{step + 1}", client_state={"steps_done": step + 1})
     return {"first": first, "losses": losses, "reference": pipeline_reference(engine),
             "left": sorted(os.listdir(ckpt))}
+
+
+def caught(exc: BaseException) -> dict:
+    return {"type": type(exc).__name__, "message": str(exc), "time": time.time()}
+
+
+def call_again(engine, batch) -> dict:
+    """A second train_batch after the failure: it must raise at once, not run into the broken groups."""
+    start = time.time()
+    try:
+        engine.train_batch(iter(batch))
+    except Exception as exc:
+        return {**caught(exc), "seconds": time.time() - start}
+    return {"type": None, "seconds": time.time() - start}
 
 
 # ---- Wavelet: 2 devices x 2 waves, plain SGD (no optimizer state: the reference restarts cleanly) -----
@@ -215,10 +237,13 @@ def main():
     phase = os.environ.get("PHASE", "fault")
     deepspeed.init_distributed(dist_backend="gloo")
     result = run_wavelet(phase) if ENGINE == "wavelet" else run_pipeline(phase)
-    path = os.path.join(OUT, f"{phase}-rank{RANK}.json")
+    path = os.path.join(OUT, f"{'caught' if 'caught' in result else phase}-rank{RANK}.json")
     with open(path + ".tmp", "w") as fh:
         json.dump(result, fh)
     os.replace(path + ".tmp", path)
+    if "caught" in result:          # no barrier: the job's process groups may hold half-posted messages
+        print("caught the failure and carried on", flush=True)
+        return
     tdist.barrier()
     print("finished all steps", flush=True)
 
