@@ -36,7 +36,7 @@ INPLACE = ["gpipe", "1f1b", "interleaved", "chimera", "zb-h1", "zbv"]
 MONITORED = ["1f1b", "chimera", "zbv"]
 OTHER += ["inplace-actckpt", "monitors", "param-groups", "param-groups-forms", "param-groups-zero1-2x2",
           "param-groups-zero3-2x2", "bad-zero3-groups", "bad-groups-left-out", "eval-arguments", "batch-size-change",
-          "bad-batch-size-interleaved", "bad-batch-size-async", "bad-eval-reduce"]
+          "bad-batch-size-interleaved", "bad-batch-size-async", "bad-eval-reduce", "bf16-export-2x2-zbv"]
 ASYNC_OPTIONS = {"pipeoptim-code": {"steps_ahead": "code"}, "pipeoptim-last": {"predictor": "last-update"}}
 ASYNC_KEYS = ["pipedream", "pipedream-2bw", "pipeoptim", "spectrain", "pipeoptim-code", "pipeoptim-last"]
 ASYNC_BF16 = ["async-bf16-4x1-pipeoptim", "async-bf16-2x2-pipedream"] + (["async-bf16-4x1-spectrain"] if FULL else [])
@@ -320,6 +320,16 @@ def test_set_train_batch_size_rebuilds_the_schedule(results, name):
     assert r["micro_batches"] == [8, 4, 16]
     assert r["tensors"] == 16 and r["max_param_diff"] <= 1e-6, r
     assert _close(r["losses"], r["stock_losses"]), r
+
+
+def test_bf16_export_writes_the_fp32_masters(results):
+    """An HF export under bf16 gets the optimizer's fp32 masters (gathered over data parallelism), as a plain
+    --bf16 Trainer saves fp32: float32 tensors, finer than bf16, that round to the modules' bf16 copies."""
+    r = results["bf16-export-2x2-zbv"]
+    assert r["layers"] and r["tensors"] == 16
+    assert r["dtypes"] == ["torch.float32"]
+    assert r["tensors_finer_than_bf16"] == 16
+    assert r["max_rounding_diff"] == 0.0
 
 
 @pytest.mark.parametrize("name", MONITORED)

@@ -55,9 +55,33 @@ def read_layer_files(path: str) -> dict:
 
 
 def engine_layer_states(engine) -> dict:
-    """This rank's share of the layer states: the layers whose stage it is the first holder of (data-parallel 0)."""
-    return {idx: {k: v.detach().to("cpu", copy=True) for k, v in obj.state_dict().items()}
-            for idx, obj in engine.owned_layers().items()}
+    """This rank's share of the layer states: the layers whose stage it is the first holder of (data-parallel 0).
+
+    Under bf16 the modules hold bf16 copies; the weights trained are the optimizer's fp32 masters, and
+    those are what an HF checkpoint gets (a plain ``--bf16`` Trainer saves fp32 too). Collective over
+    data parallelism then (DeepSpeed partitions the masters over it): call on every rank."""
+    owned = engine.owned_layers()
+    masters = _fp32_masters(engine) if getattr(engine, "using_bf16_optimizer", False) else {}
+    states = {}
+    for idx, obj in owned.items():
+        named = dict(obj.named_parameters())
+        states[idx] = {k: (masters[id(named[k])] if k in named and id(named[k]) in masters else v.detach()
+                           ).to("cpu", copy=True) for k, v in obj.state_dict().items()}
+    return states
+
+
+def _fp32_masters(engine) -> dict:
+    """id(module parameter) -> its full fp32 master, for every layer on this rank in layer order (each
+    parameter's all-reduce over the data-parallel group runs in the same order on every replica)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+    out = {}
+    for _, (_, obj) in sorted(engine._layer_objects().items()):
+        for p in (obj.parameters() if hasattr(obj, "parameters") else ()):
+            if id(p) not in out:
+                full = safe_get_full_fp32_param(p)
+                if full is not None:
+                    out[id(p)] = full.detach()
+    return out
 
 
 def gather_layer_states(engine, dst: int | None = 0) -> dict | None:

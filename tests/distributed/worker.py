@@ -632,6 +632,30 @@ def batch_size_change(schedules: dict, sizes=(8, 4, 16)):
             for name, r in out.items()}
 
 
+def bf16_export(schedule, stages, dp, n, steps=2):
+    """The HF export's layer states under bf16: the optimizer's fp32 masters (what was trained), gathered
+    over data parallelism, not the modules' bf16 copies; rounded to bf16 they are those copies."""
+    from ds_chimera.hf.export import gather_layer_states
+    cfg = config(schedule, n, dp, clip=0.0)
+    cfg["bf16"] = {"enabled": True}
+    engine = make_engine(stages, cfg, mlp_specs(16))
+    global_batches = make_global_batches(n * dp)
+    for s in range(steps):
+        engine.train_batch(iter([(x.bfloat16(), y.bfloat16()) for x, y in my_batches(engine, global_batches, s, n)]))
+    exported = gather_layer_states(engine, dst=0)
+    modules = all_layer_params(engine)
+    if tdist.get_rank() != 0:
+        return {}
+    dtypes = sorted({str(v.dtype) for state in exported.values() for v in state.values()})
+    finer = rounding = 0
+    for idx, state in exported.items():
+        for value, module_copy in zip(state.values(), modules[idx]):
+            rounding = max(rounding, (value.bfloat16().float() - module_copy).abs().max().item())
+            finer += int((value.bfloat16().float() != value).any())
+    return {"dtypes": dtypes, "layers": sorted(exported) == sorted(modules), "tensors_finer_than_bf16": finer,
+            "tensors": sum(len(v) for v in exported.values()), "max_rounding_diff": rounding}
+
+
 def lm_training(schedule, steps=25, **options):
     """The DynamicConv LM of ds_chimera.nn through a pipeline schedule: the loss must fall."""
     from ds_chimera.nn import counting_batches, lm_layer_specs, lm_loss
@@ -955,6 +979,7 @@ SCENARIOS["param-groups-zero3-2x2"] = lambda: parameter_groups({"breadth-first":
 SCENARIOS["eval-arguments"] = lambda: eval_arguments({"1f1b": {}, "chimera": {}, "zbv": {}})
 SCENARIOS["batch-size-change"] = lambda: batch_size_change({"1f1b": {}, "chimera": {}, "interleaved": {"chunks": 2},
                                                             "zbv": {}})
+SCENARIOS["bf16-export-2x2-zbv"] = lambda: bf16_export("zbv", 2, 2, 4)
 SCENARIOS["monitors"] = lambda: monitor_events(["1f1b", "chimera", "zbv"])
 SCENARIOS["inplace-actckpt"] = lambda: inplace_checkpointing(
     {"gpipe": {}, "1f1b": {}, "interleaved": {"chunks": 2}, "chimera": {}, "zb-h1": {}, "zbv": {}})
