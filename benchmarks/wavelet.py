@@ -1,17 +1,21 @@
 """Wavelet (tick-tock data parallel) against gang scheduling and plain data parallelism.
 
     python benchmarks/wavelet.py            # 12 measured steps per run
-    python benchmarks/wavelet.py --quick    # 6 steps; last line: {"peak_offset", "peak_gang", "throughput_ratio"}
+    python benchmarks/wavelet.py --quick    # 6 steps; last line: JSON ("counted_offset", "peak_offset" (RSS), ...)
 
-Two simulated devices. A *task* trains a timed model: 8 layers whose forward sleeps 5 ms
-per layer and holds a 4 MiB activation (written, so it is resident) until its backward,
-which sleeps 10 ms. Costs and activations scale with the batch.
+Two simulated devices. A *task* trains a timed model: 16 layers whose forward sleeps 2.5 ms
+per layer and saves a 2 MiB activation for its backward (written, so it is resident), which
+sleeps 5 ms. Costs and activations scale with the batch. (16 steps of 1/16 of the peak each:
+the memory model's ramps are straight lines, and 8 steps of 1/8 could not be compared with
+it within 10%.)
 
-Memory: every process samples its own RSS every millisecond. A device's curve is the sum
-of its two tasks' curves minus their resident size before training, so it counts activations.
-The peak per device is compared for two tasks launched half a cycle apart (Wavelet) and in
-lock-step (gang scheduling), next to ds_chimera.sim.memory's prediction from one task's
-measured peak.
+Memory, two ways, per device (ds_chimera.wavelet.meter): the bytes each task holds for the
+backward, counted by saved-tensor hooks, plus Wavelet's own buffers; and each task's RSS
+above its size before training. The tick task of each device samples both tasks' counts and
+both processes' RSS every millisecond, so the two tasks are read on one clock. The peak per
+device is compared for two tasks launched half a cycle apart (Wavelet) and in lock-step (gang
+scheduling), next to ds_chimera.sim.memory's prediction from one task's counted peak and its
+measured forward and backward times.
 
 Throughput: Wavelet (4 tasks, batch b each) against plain DeepSpeed data parallelism with the
 same global batch (2 tasks, one per device, batch 2b each). Sleeping tasks do not compete, so
@@ -31,25 +35,28 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-LAYERS, FWD_S, BWD_S, ACT_MB, WIDTH = 8, 0.005, 0.010, 4, 16
+from harness import free_port  # noqa: E402
+LAYERS, FWD_S, BWD_S, ACT_MB, WIDTH = 16, 0.0025, 0.005, 2, 16
+MIB = 2 ** 20
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+class TaskSampler(threading.Thread):
+    """Plain DP (one task a device): this process's counted bytes and RSS every ``period`` seconds."""
 
-
-class RssSampler(threading.Thread):
-    """Samples this process's resident size every ``period`` seconds (wall clock, for alignment)."""
-
-    def __init__(self, period=0.001):
+    def __init__(self, counted, period=0.001):
         super().__init__(daemon=True)
-        self.period, self.samples, self.running = period, [], True
+        self.counted, self.period, self.rows, self.running = counted, period, [], True
 
     def run(self):
+        from ds_chimera.wavelet.meter import rss_bytes
         while self.running:
-            self.samples.append((time.time(), rss_bytes()))
+            self.rows.append((time.time(), self.counted.held, rss_bytes(os.getpid())))
             time.sleep(self.period)
+
+    def stop(self) -> list:
+        self.running = False
+        self.join()
+        return self.rows
 
 
 def make_model(scale: int, device: int, exclusive: bool):
@@ -75,16 +82,15 @@ def make_model(scale: int, device: int, exclusive: bool):
         def forward(ctx, x, weight):
             with DeviceLock():
                 time.sleep(FWD_S * scale)
-            held = torch.empty(ACT_MB * scale * 2 ** 20 // 4)
+            held = torch.empty(ACT_MB * scale * MIB // 4)
             held[::1024] = 1.0              # touch every 4 KiB page: resident, without writing all of it
-            ctx.held = held                 # kept until the backward
+            ctx.save_for_backward(held)     # autograd releases it after this node's backward
             return x * weight
 
         @staticmethod
         def backward(ctx, grad):
             with DeviceLock():
                 time.sleep(BWD_S * scale)
-            del ctx.held
             return grad, grad.sum().reshape(1)
 
     class Layer(torch.nn.Module):
@@ -104,6 +110,7 @@ def worker(args):
 
     import deepspeed
     import ds_chimera  # noqa: F401
+    from ds_chimera.wavelet.meter import Meter, SavedBytes, rss_bytes
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -118,34 +125,37 @@ def worker(args):
         cfg["wavelet"] = {"enabled": True, "offset": args.offset, "timeout": 120}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     x = torch.ones(1, WIDTH)
+    meter = Meter(engine) if wavelet else None
+    counted = meter.saved if wavelet else SavedBytes(exclude=model.parameters())
 
-    phases = {"F": [], "B": []}
+    phases = {"F": [], "B": [], "held": []}           # held: counted bytes right after each backward
 
     def step():
         t0 = time.perf_counter()
-        loss = engine(x).sum()
+        with counted.hooks():
+            loss = engine(x).sum()
         t1 = time.perf_counter()
         engine.backward(loss)
         phases["F"].append(t1 - t0 - getattr(engine, "last_wait", 0.0))     # not the wait for the offset
         phases["B"].append(time.perf_counter() - t1)
+        phases["held"].append(counted.held)
         engine.step()
 
     for _ in range(2):                                # warm-up: allocator, groups, launch offset
         step()
-    base = rss_bytes()
-    sampler = RssSampler()
-    sampler.start()
+    base = rss_bytes(os.getpid())
     dist.barrier() if not wavelet else None
+    sampler = meter if wavelet else TaskSampler(counted)
+    sampler.start()
     start = time.time()
     for _ in range(args.steps):
         step()
     end = time.time()
-    sampler.running = False
-    sampler.join()
     record = {"rank": rank, "device": device, "wave": engine.layout.wave if wavelet else 0, "start": start,
-              "end": end, "base": base, "samples": sampler.samples,
+              "end": end, "base": base, "rows": sampler.stop(),
               "step_starts": engine.step_starts[-args.steps:] if wavelet else [],
-              "fwd_s": statistics.median(phases["F"][2:]), "bwd_s": statistics.median(phases["B"][2:])}
+              "fwd_s": statistics.median(phases["F"][2:]), "bwd_s": statistics.median(phases["B"][2:]),
+              "held_after_backward": max(phases["held"])}
     if wavelet:
         engine.drain()
     gathered = [None] * world
@@ -158,24 +168,37 @@ def worker(args):
 
 
 def device_peaks(records) -> dict:
-    """Per device: the peak of the summed activation memory of its tasks (bytes), on a common clock."""
+    """Per device: peaks (bytes) over the window both its tasks measured, counted and RSS (see meter.pair_peaks).
+
+    Wavelet: the tick task's rows hold both tasks on one clock. Plain DP: one task a device."""
+    from ds_chimera.wavelet.meter import pair_peaks
     by_device = {}
     for r in records:
-        by_device.setdefault(r["device"], []).append(r)
+        by_device.setdefault(r["device"], {})[r["wave"]] = r
     peaks = {}
     for device, tasks in by_device.items():
-        lo = max(t["start"] for t in tasks)
-        hi = min(t["end"] for t in tasks)
-        grid = [lo + i * 0.001 for i in range(int((hi - lo) / 0.001))]
-        total = [0.0] * len(grid)
-        for t in tasks:
-            samples, j = t["samples"], 0
-            for i, when in enumerate(grid):
-                while j + 1 < len(samples) and samples[j + 1][0] <= when:
-                    j += 1
-                total[i] += max(0, samples[j][1] - t["base"])
-        peaks[device] = max(total) if total else 0.0
+        lo = max(t["start"] for t in tasks.values())
+        hi = min(t["end"] for t in tasks.values())
+        rows = [row for row in tasks[0]["rows"] if lo <= row[0] <= hi]
+        if len(tasks) == 2:
+            peaks[device] = pair_peaks(rows, (tasks[0]["base"], tasks[1]["base"]))
+        else:
+            peaks[device] = {"saved_sum": max(r[1] for r in rows),
+                             "rss_sum": max(max(0, r[2] - tasks[0]["base"]) for r in rows)}
     return peaks
+
+
+def worst(peaks: dict, key: str) -> float:
+    return max(p[key] for p in peaks.values())
+
+
+def lags(records) -> list:
+    """Per step and device: how far the tock wave's step starts after the tick's, as a fraction of the tick's period."""
+    starts = {}
+    for r in records:
+        starts.setdefault(r["device"], {})[r["wave"]] = r["step_starts"]
+    return [((tock[i] - tick[i]) / (tick[i + 1] - tick[i])) % 1.0 for d in starts.values()
+            for tick, tock in [(d[0], d[1])] for i in range(len(tick) - 1)]
 
 
 def run(mode, steps, out, offset=0.5, exclusive=False):
@@ -183,7 +206,8 @@ def run(mode, steps, out, offset=0.5, exclusive=False):
     # A fixed mmap threshold: glibc otherwise raises it after the first free, keeps 16 MiB blocks
     # on its heap, and RSS would stop showing activations being freed.
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="1048576")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), __file__, "--worker",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(free_port()), __file__, "--worker",
            "--mode", mode, "--steps", str(steps), "--offset", str(offset), "--out", out]
     if exclusive:
         cmd.append("--exclusive")
@@ -210,7 +234,6 @@ def main():
     if args.worker:
         return worker(args)
     from ds_chimera.sim.memory import TaskMemory, wavelet_memory
-    mib = 2 ** 20
     print(f"2 devices; a task: {LAYERS} layers, F = {LAYERS * FWD_S * 1e3:.0f} ms, B = {LAYERS * BWD_S * 1e3:.0f} ms, "
           f"activations {LAYERS * ACT_MB} MiB at its peak; {args.steps} measured steps per run", flush=True)
     offset_records, offset_tput = run("wavelet", args.steps, args.out, offset=0.5)
@@ -219,36 +242,48 @@ def main():
     ex_records, ex_tput = run("wavelet", args.steps, args.out, offset=0.5, exclusive=True)
     dpx_records, dpx_tput = run("dp", args.steps, args.out, exclusive=True)
 
-    one_task = statistics.median(max(v - r["base"] for _, v in r["samples"]) for r in offset_records)
+    offset, gang, dp = device_peaks(offset_records), device_peaks(gang_records), device_peaks(dp_records)
+    one_task = statistics.median(p[k] for p in offset.values() for k in ("saved_tick", "saved_tock"))
+    one_task_rss = statistics.median(p[k] for p in offset.values() for k in ("rss_tick", "rss_tock"))
     fwd_s = statistics.median(r["fwd_s"] for r in offset_records)     # measured: allocation adds to the sleeps
     bwd_s = statistics.median(r["bwd_s"] for r in offset_records)
-    model = wavelet_memory(TaskMemory(static=0.0, activations=one_task, fwd=fwd_s, bwd=bwd_s))
-    peak_offset = max(device_peaks(offset_records).values())
-    peak_gang = max(device_peaks(gang_records).values())
-    peak_dp = max(device_peaks(dp_records).values())
-    starts = {}
-    for r in offset_records:
-        starts.setdefault(r["device"], {})[r["wave"]] = r["step_starts"]
-    lags = [((tock[i] - tick[i]) / (tick[i + 1] - tick[i])) % 1.0 for d in starts.values()
-            for tick, tock in [(d[0], d[1])] for i in range(len(tick) - 1)]
-    print("peak activation memory per device (MiB), measured from RSS, and the memory model's prediction")
-    print(f"  one task alone (measured per task)     {one_task / mib:8.1f}")
-    print(f"  Wavelet, waves offset by half a cycle  {peak_offset / mib:8.1f}   model {model['offset_waves'] / mib:8.1f}")
-    print(f"  two tasks gang-scheduled               {peak_gang / mib:8.1f}   model {model['gang'] / mib:8.1f}")
-    print(f"  plain DP, one task with doubled batch  {peak_dp / mib:8.1f}   model {model['doubled_batch'] / mib:8.1f}")
-    lag = statistics.fmean(lags)
-    at_lag = TaskMemory(static=0.0, activations=one_task, fwd=fwd_s, bwd=bwd_s).two_tasks_peak(lag)
-    print(f"  (model from one task's measured peak and its measured F = {fwd_s * 1e3:.0f} ms, B = {bwd_s * 1e3:.0f} ms)")
-    print(f"  tock wave's lag behind tick, measured: {lag:.2f} of a cycle (target 0.5); model at that lag "
-          f"{at_lag / mib:.1f}")
+    task = TaskMemory(static=0.0, activations=one_task, fwd=fwd_s, bwd=bwd_s)
+    model = wavelet_memory(task)
+    figures = {"offset": [worst(offset, "saved_sum"), worst(offset, "rss_sum"), model["offset_waves"]],
+               "gang": [worst(gang, "saved_sum"), worst(gang, "rss_sum"), model["gang"]],
+               "dp": [worst(dp, "saved_sum"), worst(dp, "rss_sum"), model["doubled_batch"]]}
+    buffers = max(worst(offset, "buffers"), worst(gang, "buffers"))
+    print("peak memory per device (MiB): held for the backward, counted by saved-tensor hooks; RSS above the size")
+    print("before training (both tasks of a device read on one clock); the memory model from one task's counted peak")
+    print("                                          counted      RSS    model")
+    print(f"  one task alone (per task)              {one_task / MIB:8.1f} {one_task_rss / MIB:8.1f}")
+    for key, name in (("offset", "Wavelet, waves offset by half a cycle"), ("gang", "two tasks gang-scheduled"),
+                      ("dp", "plain DP, one task with doubled batch")):
+        print(f"  {name:38s} " + " ".join(f"{v / MIB:8.1f}" for v in figures[key]))
+    after = max(r["held_after_backward"] for r in offset_records + gang_records + dp_records)
+    print(f"  held for the backward once a backward ended, at most: {after} bytes; Wavelet's own buffers per task, "
+          f"at most: {buffers / 1024:.1f} KiB (channel buffers, an update's gradients)")
+    ratio = {k: figures["offset"][k] / figures["gang"][k] for k in (0, 1)}
+    vs_model = {k: figures["offset"][k] / model["offset_waves"] for k in (0, 1)}
+    print(f"  offset / gang: counted {ratio[0]:.2f}, RSS {ratio[1]:.2f}; offset measured / model: counted "
+          f"{vs_model[0]:.2f}, RSS {vs_model[1]:.2f}")
+    lag = lags(offset_records)
+    mean_lag = statistics.fmean(lag)
+    print(f"  (model from one task's counted peak and its measured F = {fwd_s * 1e3:.0f} ms, B = {bwd_s * 1e3:.0f} ms)")
+    print(f"  tock wave's lag behind tick, per step: mean {mean_lag:.2f}, {min(lag):.2f} to {max(lag):.2f} of a "
+          f"cycle (target 0.5); model at the mean {task.two_tasks_peak(mean_lag) / MIB:.1f}")
     print("throughput, samples/s (same global batch per cycle)")
     print(f"  device free to overlap:   Wavelet {offset_tput:6.2f}  gang {gang_tput:6.2f}  plain DP {dp_tput:6.2f}"
           f"   Wavelet / plain DP {offset_tput / dp_tput:5.2f}")
     print(f"  device one compute a time: Wavelet {ex_tput:6.2f}  plain DP {dpx_tput:6.2f}"
           f"   Wavelet / plain DP {ex_tput / dpx_tput:5.2f}")
-    print(json.dumps({"peak_offset": peak_offset, "peak_gang": peak_gang, "throughput_ratio": ex_tput / dpx_tput,
-                      "throughput_ratio_free_device": offset_tput / dp_tput, "peak_plain_dp": peak_dp,
-                      "model_offset": model["offset_waves"], "model_gang": model["gang"]}))
+    print(json.dumps({"peak_offset": figures["offset"][1], "peak_gang": figures["gang"][1],
+                      "counted_offset": figures["offset"][0], "counted_gang": figures["gang"][0],
+                      "model_offset": model["offset_waves"], "model_gang": model["gang"], "buffers": buffers,
+                      "held_after_backward": after,
+                      "lag_mean": mean_lag, "lag_min": min(lag), "lag_max": max(lag),
+                      "throughput_ratio": ex_tput / dpx_tput, "throughput_ratio_free_device": offset_tput / dp_tput,
+                      "peak_plain_dp": figures["dp"][1]}))
     return 0
 
 

@@ -88,6 +88,35 @@ def test_engine_equals_the_documented_recurrence(tmp_path):
     assert r["calls"] >= 4 and r["groups_with_a_device_pair"] == []      # (4 steps: 4 wave all-reduces at least)
 
 
+def held_check(variant: list) -> dict:
+    """From the counted bytes of one run: are the waves offset (each device's peak at most 0.75 of
+    its two tasks' peaks added, which gang scheduling reaches), and did every task hold nothing
+    for the backward once its backward ended."""
+    from ds_chimera.wavelet.meter import pair_peaks
+    ratios = []
+    for task in variant:
+        if task["wave"] == TICK:                         # the tick task's rows hold both tasks of its device
+            peaks = pair_peaks(task["rows"])
+            ratios.append(peaks["saved_sum"] / (peaks["saved_tick"] + peaks["saved_tock"]))
+    return {"offset": max(ratios) <= 0.75, "released": all(v == 0 for t in variant for v in t["after_backward"]),
+            "ratios": [round(r, 2) for r in ratios]}
+
+
+def test_waves_are_offset_and_release_each_micro_batch_by_the_counted_bytes(tmp_path):
+    """The check passes for the offset waves and fails for a gang-scheduled run and for a task that
+    keeps each micro-batch's graph (and its saved tensors) past the backward."""
+    out = tmp_path / "memory.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+           str(free_port()), WORKER, "--memory", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
+    runs = json.loads(out.read_text())
+    offset, gang, held = (held_check(runs[name]) for name in ("offset", "gang", "held"))
+    assert offset["offset"] and offset["released"], offset
+    assert not gang["offset"] and gang["released"], gang
+    assert not held["released"], held
+
+
 def test_cli_reports_the_memory_model():
     import subprocess
     out = subprocess.run([sys.executable, "-m", "ds_chimera.cli", "memory", "--static", "1", "--activations", "4",

@@ -19,9 +19,11 @@ two updates (the partner's, then its own), and ``global_steps`` counts both.
 Timing: the tock wave's step m starts ``offset`` (default half) of a cycle after the tick
 wave's step m. That is the only feasible relation, because tock step m ends by applying tick
 step m's gradient and tick step m+1 ends by applying tock step m's. The first tock step
-waits for the tick's start signal. Each later step waits, if it would start early, for the
-target computed from the partner's reported step starts, which keeps the offset where
-timing noise would let it drift.
+waits for the tick's start signal. Each later step starts no earlier than a fraction of a cycle
+after the partner's step it follows (tock m after tick m, tick m+1 after tock m), read from the
+partner's board (see .channel), so every step keeps the offset, not only their average. The
+cycle is the slower task's: each task's is the median of its last few step-to-step times, each
+less what it waited for (the partner, the offset, another device's task in the all-reduce).
 """
 from __future__ import annotations
 
@@ -48,7 +50,8 @@ from .layout import TICK
 
 log = get_logger()
 DEFAULT_TIMEOUT_S = 300.0
-HISTORY = 64          # step times kept per task (the controller reads the last few)
+HISTORY = 64          # step starts kept per task
+CYCLES = 5            # the cycle is the median of this task's last CYCLES
 
 
 def wavelet_options(config: dict) -> dict:
@@ -90,19 +93,23 @@ class WaveletEngine(DeepSpeedEngine):
         self.clip = float(self.gradient_clipping() or 0.0)
         self._config.gradient_clipping = 0.0
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.own_steps = 0
-        self.partner_starts: list = []            # starts of the partner's steps, from its messages
+        self.own_steps = 0                        # steps since the tick-tock sequence (re)started
+        self.openings = 0                         # steps ever opened: the count the partner waits on
         self.faults = faults.monitor(wavelet["timeout"])     # one task's failure ends every task, naming it
         self.store = self._channel_store(wavelet["timeout"])
-        if dist.get_rank() == 0:                  # step times travel as float32 seconds since this shared epoch
+        if dist.get_rank() == 0:                  # the launch signal's times: float32 seconds since this epoch
             self.store.set("epoch", repr(time.time()))
         numel = sum(p.numel() for p in self.params)
-        self.channel = PairChannel(self.store, self.layout.rank, self.layout.partner, numel + 3, wavelet["timeout"])
+        self.channel = PairChannel(self.store, self.layout.rank, self.layout.partner, max(numel, 2),
+                                   wavelet["timeout"])
+        self._post_buffers()
         self.epoch = float(self.store.get("epoch"))   # set: rank 0 sets it before the channel's id, awaited above
         self._same_start()
         self.step_starts: list = []               # wall-clock start of each step (first forward after a step)
-        self.work_times: list = []                # each step's duration from its start to its update
-        self.last_wait = 0.0                      # seconds the last step waited to keep the offset
+        self.cycles: list = []                    # each step's start to the next, less its waits (see _open_step)
+        self.reduce_times: list = []              # the last steps' all-reduce times
+        self._waited_at_start = 0.0               # the channel's waiting total when the last step started
+        self.last_wait = 0.0                      # seconds the last step's start waited (partner, offset)
         self._step_open = False
         if dist.get_rank() == 0:
             log.info("wavelet: %d devices x 2 waves, offset %g cycle, one update per wave step (staleness 1)",
@@ -145,16 +152,7 @@ class WaveletEngine(DeepSpeedEngine):
     def _forward(self, *inputs, **kwargs):
         opening = not self._step_open and self.module.training
         if opening:
-            self._step_open = True
-            self.last_wait = 0.0
-            if self.layout.wave != TICK and self.own_steps == 0:
-                self._launch_offset()
-            else:
-                self._keep_offset()
-            self.step_starts.append(time.time())
-            del self.step_starts[:-HISTORY]
-            del self.partner_starts[:-HISTORY]
-            del self.work_times[:-HISTORY]
+            self._open_step()
         out = super().forward(*inputs, **kwargs)
         if opening and self.layout.wave == TICK and self.own_steps == 0:
             # tell the tock task when this first step started and how long its forward took
@@ -162,6 +160,34 @@ class WaveletEngine(DeepSpeedEngine):
                                   dtype=torch.float32, device=self.device)
             self._send(signal)
         return out
+
+    def _open_step(self) -> None:
+        """A step starts: measure the last cycle, wait for the offset, post the start on the board.
+
+        A cycle runs from a step's start to the next step's opening, less what the task waited for
+        in between: its partner (the channel counts it) and the other devices' tasks in the wave's
+        all-reduce (what it took beyond the quickest of the last ones). The offset waits come
+        before a start."""
+        self._step_open = True
+        now = time.time()
+        if self.step_starts:
+            waited = self.channel.waited - self._waited_at_start
+            if self.reduce_times:
+                waited += self.reduce_times[-1] - min(self.reduce_times)
+            self.cycles.append(now - self.step_starts[-1] - waited)
+            del self.cycles[:-CYCLES]
+            self.channel.post("cycle", statistics.median(self.cycles))
+        if self.own_steps > 0:
+            self._keep_offset()
+        elif self.layout.wave != TICK:
+            self._launch_offset()
+        self.step_starts.append(time.time())
+        del self.step_starts[:-HISTORY]
+        self.last_wait = self.step_starts[-1] - now
+        self._waited_at_start = self.channel.waited
+        self.openings += 1
+        self.channel.post("start", self.step_starts[-1])
+        self.channel.post("opened", self.openings)       # after the start: a partner that sees it reads that start
 
     def _launch_offset(self) -> None:
         """Tock's first step starts ``offset`` of a cycle after the tick wave's first step.
@@ -172,58 +198,67 @@ class WaveletEngine(DeepSpeedEngine):
         signal = self.channel.recv(2, self.device,
                                    f"the tick wave's start signal from task {self.layout.partner} (same device)")
         tick_start, tick_fwd = float(signal[0]) + self.epoch, float(signal[1])
-        self.last_wait = max(0.0, tick_start + self.wavelet["offset"] * 3 * tick_fwd - time.time())
-        if self.last_wait > 0:
-            time.sleep(self.last_wait)
+        self._sleep_until(tick_start + self.wavelet["offset"] * 3 * tick_fwd)
 
     def _keep_offset(self) -> None:
-        """Delay this step if it would start early for the offset, measured from the partner's steps.
+        """Start no earlier than the offset after the partner's step this one follows.
 
-        The target is s_tock(m) = s_tick(m) + offset * P, P the cycle. That is the only feasible
-        relation: tock step m ends by applying tick step m's gradient and tick step m+1 ends by
-        applying tock step m's. At its step j+1, the tick task knows s_tock(j-1) from its last message
-        and aims at s_tock(j-1) + (2 - offset) * P. The tock task knows s_tick(j) and aims at
-        s_tick(j) + (1 + offset) * P. Only the early wave waits, so the waves drift back to the
-        offset. P is the median of the partner's last periods, so one wait does not feed back into
-        the next target.
+        Tock step m follows tick step m by ``offset`` of a cycle P; tick step m+1 follows tock
+        step m by the rest, ``1 - offset``. The partner's start comes from its board, exactly, so
+        an error in P moves this step by a fraction of it only. P is the longer of the two tasks'
+        cycles (a shorter one would leave the slower task's start late, and the lag short of the
+        offset). A task's cycle is the median of its last ones (see ``_open_step``), which leave out
+        the waits, since a P with those in it feeds the next waits (docs/investigations/
+        wavelet-memory.md).
         """
-        starts = self.partner_starts[-5:]
-        if len(starts) < 2:
-            return
-        period = statistics.median(b - a for a, b in zip(starts, starts[1:]))
         offset = self.wavelet["offset"]
-        ahead = (2 - offset) if self.layout.wave == TICK else (1 + offset)
-        delay = starts[-1] + ahead * period - time.time()
+        follows, fraction = (self.openings, 1 - offset) if self.layout.wave == TICK else \
+            (self.openings + 1, offset)
+        other = "tock" if self.layout.wave == TICK else "tick"
+        self.channel.wait_post("opened", follows, f"the start of the {other} wave's step {follows} from task "
+                                                  f"{self.layout.partner} (same device)")
+        period = max(statistics.median(self.cycles), self.channel.peek("cycle"))
+        self._sleep_until(self.channel.peek("start") + fraction * period, limit=period)
+
+    @staticmethod
+    def _sleep_until(target: float, limit: float | None = None) -> None:
+        """Sleep until ``target`` (wall clock), for at most ``limit`` seconds."""
+        delay = target - time.time()
         if delay > 0:
-            delay = min(delay, period)
-            time.sleep(delay)
-            self.last_wait = delay
+            time.sleep(delay if limit is None else min(delay, limit))
 
     # ---- the update pair -----------------------------------------------------------------------
     def _take_model_step(self, lr_kwargs):
         own = self._wave_average()
+        self._post_buffers(own)
         if self.layout.wave == TICK and self.own_steps == 0:
             partner = None                          # U1: nothing from the tock wave yet
         else:
-            partner, _, start = self._recv_partner()
-            self.partner_starts.append(start)
-        if partner is not None:
+            partner = self._recv_partner()
+            self._post_buffers(own, partner)
             self._load_grads(partner)
             super()._take_model_step(lr_kwargs)
         self._load_grads(own)
         super()._take_model_step(lr_kwargs)
-        start = self.step_starts[-1] if self.step_starts else time.time()
-        self.work_times.append(time.time() - start)
-        self._send_partner(own, self.work_times[-1], start)
+        self._send(own)
+        self._post_buffers()
         self.own_steps += 1
         self._step_open = False
+
+    def _post_buffers(self, *flats) -> None:
+        """Post the bytes of Wavelet's own buffers on the board (read by .meter): the channel's
+        mapped buffers, and the flat gradients an update holds."""
+        self.channel.post("buffers", self.channel.nbytes + sum(f.numel() * f.element_size() for f in flats))
 
     def _wave_average(self) -> torch.Tensor:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = _flatten_dense_tensors([g.float() for g in grads])
         if self.wave_size > 1:
+            start = time.time()
             self._wait(lambda: dist.all_reduce(flat, group=self.wave_group, async_op=True),
                        f"the {self.wave_name} wave's gradient all-reduce")
+            self.reduce_times.append(time.time() - start)
+            del self.reduce_times[:-CYCLES]
             flat.div_(self.wave_size)
         return flat
 
@@ -236,12 +271,6 @@ class WaveletEngine(DeepSpeedEngine):
         if self.clip > 0:
             grads = [p.grad for p in self.params]
             clip_by_norm(grads, grads, self.clip)
-
-    def _send_partner(self, flat: torch.Tensor, cycle: float, start: float) -> None:
-        """The wave's averaged gradient, plus this step's duration and start (for the offset)."""
-        since = start - self.epoch           # float64 seconds as two float32s: no drift over long runs
-        high = float(torch.tensor(since, dtype=torch.float32))
-        self._send(torch.cat([flat, torch.tensor([cycle, high, since - high], dtype=flat.dtype, device=flat.device)]))
 
     def _same_start(self) -> None:
         """Both waves start from one model: each tock task takes its tick partner's weights (DeepSpeed's
@@ -260,12 +289,12 @@ class WaveletEngine(DeepSpeedEngine):
         """Write a message for the partner (it must have read the previous one: one buffer in flight)."""
         self.channel.send(payload, f"a message to task {self.layout.partner}")
 
-    def _recv_partner(self) -> tuple:
+    def _recv_partner(self) -> torch.Tensor:
+        """The partner wave's averaged gradient (flat)."""
         numel = sum(p.numel() for p in self.params)
         other = "tock" if self.layout.wave == TICK else "tick"
-        buf = self.channel.recv(numel + 3, self.device,
-                                f"the {other} wave's gradient from task {self.layout.partner} (same device)")
-        return buf[:numel], float(buf[numel]), float(buf[numel + 1]) + float(buf[numel + 2]) + self.epoch
+        return self.channel.recv(numel, self.device,
+                                 f"the {other} wave's gradient from task {self.layout.partner} (same device)")
 
     def _wait(self, work, what: str) -> None:
         wait_or_fail(work, self.wavelet["timeout"], what, source="ds_chimera wavelet", peer="a task")
@@ -281,14 +310,13 @@ class WaveletEngine(DeepSpeedEngine):
 
     def _drain(self) -> None:
         if self.layout.wave == TICK:
-            partner, _, _ = self._recv_partner()
-            self._load_grads(partner)
+            self._load_grads(self._recv_partner())
             super()._take_model_step(None)
         self.channel.flush(f"the last gradient's read by task {self.layout.partner}")
         self.own_steps = 0          # the next step starts a new tick-tock sequence, launch offset included
         self.step_starts.clear()
-        self.work_times.clear()
-        self.partner_starts.clear()
+        self.cycles.clear()
+        self.reduce_times.clear()
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
                         exclude_frozen_parameters=False):

@@ -1,17 +1,23 @@
 """Wavelet on 4 CPU processes: 2 devices x 2 waves.
 
-    torchrun --nproc_per_node 4 wavelet_worker.py OUT.json        # equivalence run
+    torchrun --nproc_per_node 4 wavelet_worker.py OUT.json             # equivalence run
+    torchrun --nproc_per_node 4 wavelet_worker.py --memory OUT.json    # what the tasks hold, counted
 
 (A task's failure ending every task: tests/test_chaos.py.)
 
-Every task trains the same small MLP on its own samples; after ``drain()`` rank 0 compares
-the model with the documented recurrence (ds_chimera.wavelet.wavelet_reference) and with
-synchronous data parallelism on the same samples.
+Equivalence: every task trains the same small MLP on its own samples; after ``drain()`` rank 0
+compares the model with the documented recurrence (ds_chimera.wavelet.wavelet_reference) and
+with synchronous data parallelism on the same samples.
+
+Memory: a timed model (each layer sleeps and saves a buffer for its backward) trains three
+ways on one engine: waves offset by half a cycle, gang-scheduled (offset 0), and holding each
+micro-batch's graph past its backward. Rank 0 writes, per variant, each device's counted rows
+(ds_chimera.wavelet.meter, both tasks on one clock) and what each task held after each backward.
 """
-import copy
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as tdist
@@ -37,11 +43,11 @@ def make_opt(params):
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
-def engine_for(timeout, offset=0.5):
+def engine_for(timeout, offset=0.5, model=None):
     cfg = {"train_batch_size": MICRO * tdist.get_world_size(), "train_micro_batch_size_per_gpu": MICRO,
            "gradient_clipping": 0.0, "steps_per_print": 10 ** 6,
            "wavelet": {"enabled": True, "timeout": timeout, "offset": offset}}
-    engine, _, _, _ = deepspeed.initialize(model=make_model(), config=cfg, optimizer=make_opt)
+    engine, _, _, _ = deepspeed.initialize(model=model or make_model(), config=cfg, optimizer=make_opt)
     return engine
 
 
@@ -120,6 +126,77 @@ def equivalence(out_path, steps=4):
     tdist.destroy_process_group()
 
 
+LAYER_S, SAVED_FLOATS, WARMUP, MEASURED = 0.02, 2 ** 16, 2, 4
+
+
+class TimedLayer(torch.autograd.Function):
+    """LAYER_S each way; saves SAVED_FLOATS floats for its backward (an activation, for the meter)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        time.sleep(LAYER_S)
+        ctx.save_for_backward(torch.zeros(SAVED_FLOATS))
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(LAYER_S)
+        return grad, grad.sum().reshape(1)
+
+
+class Timed(torch.nn.Module):
+    def __init__(self, layers=3):
+        super().__init__()
+        self.weights = torch.nn.ParameterList([torch.nn.Parameter(torch.ones(1)) for _ in range(layers)])
+
+    def forward(self, x):
+        for weight in self.weights:
+            x = TimedLayer.apply(x, weight)
+        return x
+
+
+def train_metered(engine, meter, retain_graph: bool) -> list:
+    """WARMUP + MEASURED steps, sampled after the warm-up; the bytes this task held after each measured backward."""
+    x, after, kept = torch.ones(MICRO, WIDTH), [], None
+    for step in range(WARMUP + MEASURED):
+        if step == WARMUP:
+            meter.start()
+        with meter.hooks():
+            loss = engine(x).sum()
+        engine.backward(loss, retain_graph=retain_graph)
+        if step >= WARMUP:
+            after.append(meter.saved.held)
+        kept = loss if retain_graph else None        # the graph, and its saved tensors, live until the next step
+        engine.step()
+    del kept
+    return after
+
+
+def memory(out_path):
+    from ds_chimera.wavelet.meter import Meter
+    engine = engine_for(60, model=Timed())
+    meter = Meter(engine)
+    result = {}
+    for name, offset, retain in (("offset", 0.5, False), ("gang", 0.0, False), ("held", 0.5, True)):
+        engine.wavelet["offset"] = offset     # read at every step; drain() restarts the tick-tock sequence
+        after = train_metered(engine, meter, retain)
+        rows = meter.stop()
+        engine.drain()
+        gathered = [None] * tdist.get_world_size()
+        tdist.all_gather_object(gathered, {"rank": tdist.get_rank(), "wave": engine.layout.wave,
+                                           "device": engine.layout.device, "rows": rows, "after_backward": after})
+        result[name] = gathered
+    if tdist.get_rank() == 0:
+        with open(out_path + ".tmp", "w") as fh:
+            json.dump(result, fh)
+        os.replace(out_path + ".tmp", out_path)
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
 if __name__ == "__main__":
     deepspeed.init_distributed(dist_backend="gloo")
-    equivalence(sys.argv[1])
+    if sys.argv[1] == "--memory":
+        memory(sys.argv[2])
+    else:
+        equivalence(sys.argv[1])
