@@ -58,6 +58,7 @@ class ScheduledPipelineEngine(PipelineEngine):
         self.executor = StepExecutor(self.host)
         self.faults = faults.monitor(plan.timeout_s)     # one rank's failure ends every rank, naming it
         self.step_records = []
+        self._eval_programs = {}        # micro-batch count -> Plan, for eval_batch(num_micro_batches=)
         if self.global_rank == 0:
             log.info("schedule %r on %d ranks x %d data-parallel, %d micro-batches, %d chunk(s) per rank",
                      self.schedule.name, self.num_stages, self.dp_size, self.micro_batches,
@@ -218,12 +219,11 @@ class ScheduledPipelineEngine(PipelineEngine):
         """This rank's forward-only ops for ``micro_batches`` (another count than training's is built once)."""
         if micro_batches == self.micro_batches:
             return self.plan.eval_program.ops[self.pipe_rank]
-        cache = self.__dict__.setdefault("_eval_programs", {})
-        if micro_batches not in cache:
+        if micro_batches not in self._eval_programs:
             from .plan import with_micro_batches
-            cache[micro_batches] = with_micro_batches(self.plan, micro_batches,
-                                                      f"eval_batch(num_micro_batches={micro_batches})")
-        return cache[micro_batches].eval_program.ops[self.pipe_rank]
+            self._eval_programs[micro_batches] = with_micro_batches(self.plan, micro_batches,
+                                                                    f"eval_batch(num_micro_batches={micro_batches})")
+        return self._eval_programs[micro_batches].eval_program.ops[self.pipe_rank]
 
     def _eval_mean_loss(self, ops, batches: dict, micro_batches: int):
         self.host.begin(batches, train=False)
@@ -255,7 +255,7 @@ class ScheduledPipelineEngine(PipelineEngine):
         super().set_train_batch_size(train_batch_size)
         self.plan = self.host.plan = self.module._ds_chimera_plan = plan
         self.schedule = plan.schedule
-        self.__dict__.pop("_eval_programs", None)
+        self._eval_programs.clear()
         if self.global_rank == 0:
             log.info("schedule %r rebuilt for %d micro-batches (train_batch_size %d)", self.schedule.name,
                      micro_batches, train_batch_size)

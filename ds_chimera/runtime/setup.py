@@ -87,7 +87,7 @@ def prepare_module(module, config: PipelineConfig, model_parameters):
 
 def _regroup(module, model_parameters, *, stock_keys: dict, zero: int, what: str):
     """``model_parameters`` (or an optimizer's groups) over the chunks: see :mod:`.param_groups`."""
-    if model_parameters is None or not model_parameters:
+    if not model_parameters:
         # DeepSpeed then takes model.parameters(): the chunks' (or, under ZeRO-2/3, their shards)
         return module._ds_chimera_shards.shard_params if zero >= 2 else None
     groups, plain = remap_groups(model_parameters, stock_keys, module, _all_gather_object)
