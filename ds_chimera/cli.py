@@ -205,6 +205,60 @@ def _rank_all(args, costs: Costs) -> int:
     return 0 if fits else 1
 
 
+def cmd_plan(args) -> int:
+    """Plan from a saved profile: print the choice and runners-up, write the "pipeline" section."""
+    from .planner import Budget, Profile, Setting, plan
+    from .planner.memory import GIB
+    if not args.profile:
+        raise ValueError("plan needs --profile FILE: a profile a \"schedule\": \"auto\" run wrote (its profile_file), "
+                         "or one from ds_chimera.planner.profile_sequential")
+    try:
+        profile = Profile.load(args.profile)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--profile {args.profile!r} cannot be read: {exc}") from None
+    for flag in ("stages", "micro_batches"):
+        if getattr(args, flag) is None or getattr(args, flag) < 1:
+            raise ValueError(f"plan needs --{flag.replace('_', '-')} >= 1")
+    if args.memory_limit_gb is not None and not args.memory_limit_gb > 0:
+        raise ValueError(f"--memory-limit-gb must be > 0, got {args.memory_limit_gb}")
+    if args.max_activations is not None and not args.max_activations >= 1:
+        raise ValueError(f"--max-activations must be >= 1, got {args.max_activations}")
+    setting = Setting(stages=args.stages, micro_batches=args.micro_batches, data_parallel=args.data_parallel,
+                      precision=args.precision, zero=args.zero, checkpoint_interval=args.checkpoint_interval,
+                      allow_asynchronous=args.allow_asynchronous)
+    budget = Budget(None if args.memory_limit_gb is None else args.memory_limit_gb * GIB, args.max_activations)
+    result = plan(profile, setting, budget, exhaustive=args.exhaustive)
+    print(result.report(runners_up=args.runners_up))
+    if result.chosen is None:
+        return 1
+    section = result.pipeline_section()
+    if args.out:
+        from .atomic import write_text_atomic
+        write_text_atomic(args.out, json.dumps({"pipeline": section}, indent=1) + "\n")
+        print(f"wrote {args.out}: merge its \"pipeline\" section into the DeepSpeed config")
+    if args.json:
+        print(json.dumps({"pipeline": section, "step_s": result.chosen.step_s,
+                          "peak_bytes": result.chosen.peak_bytes}))
+    return 0
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", help="a profile JSON (written by a \"schedule\": \"auto\" run's profile_file)")
+    p.add_argument("--stages", type=int, help="pipeline ranks D")
+    p.add_argument("--micro-batches", type=int, help="micro-batches per step N")
+    p.add_argument("--data-parallel", type=int, default=1, help="data-parallel size")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
+    p.add_argument("--checkpoint-interval", type=int, default=0, help="activation_checkpoint_interval")
+    p.add_argument("--memory-limit-gb", type=float, help="GiB per rank (default: no limit)")
+    p.add_argument("--max-activations", type=float, help="micro-batches of activations a rank may hold")
+    p.add_argument("--allow-asynchronous", action="store_true", help="consider PipeDream, 2BW, PipeOptim, SpecTrain")
+    p.add_argument("--exhaustive", action="store_true", help="simulate every candidate that fits (no pruning)")
+    p.add_argument("--runners-up", type=int, default=8, help="how many runners-up to print")
+    p.add_argument("--out", help="write {\"pipeline\": the chosen section} here")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds-chimera", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -213,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("launch", help="run a DeepSpeed script with the schedule switch: "
                                   "ds-chimera launch [--torchrun] [--wavelet] [--pipeline-schedule NAME] LAUNCHER_ARGS... script.py ARGS...")
     _add_sim_args(sub.add_parser("simulate", help="simulate a schedule and report its metrics"))
+    _add_plan_args(sub.add_parser("plan", help="plan the fastest schedule, options and layer cut that fit memory, "
+                                               "from a profile of the model"))
     plot = sub.add_parser("plot", help="simulate and write a Gantt chart (same flags as simulate)")
     _add_sim_args(plot)
     memory = sub.add_parser("memory", help="peak memory per device: Wavelet's offset waves, gang-scheduled "
@@ -256,6 +312,8 @@ def main(argv=None) -> int:
             return cmd_kernels(args)
         if args.command == "memory":
             return cmd_memory(args)
+        if args.command == "plan":
+            return cmd_plan(args)
         if args.command == "plot" and not args.plot:
             args.plot = (os.path.splitext(os.path.basename(args.program))[0] + ".png" if args.program else
                          f"{args.schedule}_D{args.stages}_N{args.micro_batches}.png")

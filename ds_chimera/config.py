@@ -28,7 +28,10 @@ DEEPSPEED_PIPELINE_KEYS = frozenset({"stages", "partition", "seed_layers", "acti
                                      "pipe_partitioned", "grad_partitioned", "use_reentrant"})
 # keys of the "pipeline" section that ds_chimera's runtime reads (besides the schedule's own options)
 RUNTIME_KEYS = frozenset({"schedule", "program", "timeout", "trace_dir", "partition_method", "zero1_reduce",
-                          "reshard_after_forward"})
+                          "reshard_after_forward", "parts"})
+# "schedule": "auto": the planner's own keys (see ds_chimera.planner) and their defaults
+PLANNER_OPTIONS = {"memory_limit_gb": None, "max_activations": None, "allow_asynchronous": False,
+                   "plan_file": None, "profile_file": None}
 ZERO1_REDUCE = ("chunk", "end")     # ZeRO-1: reduce each chunk's gradients when it is done, or all at the end
 ZERO_STAGES = (0, 1, 2, 3)
 PARTITION_METHODS = ("parameters", "uniform", "type:REGEX")
@@ -69,6 +72,7 @@ class PipelineConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S            # bound on every wait on a peer
     trace_dir: str | None = None                    # write each step's measured trace here
     partition_method: str | None = None             # None: the PipelineModule's own cut where it fits
+    parts: tuple | None = None                      # an explicit layer cut (layer boundaries), as planned
     activation_checkpoint_interval: int | None = None   # None: the PipelineModule's own
     stages: int | None = None                       # "pipeline": {"stages": D} where given
     zero_stage: int = 0
@@ -101,8 +105,23 @@ class PipelineConfig:
         """
         return self.zero_stage != 1 and (self.clip > 0 or self.bf16)
 
+    @property
+    def planned(self) -> bool:
+        """``"schedule": "auto"``: the planner picks the schedule, options and cut before anything is built."""
+        return self.schedule == AUTO
+
+    def with_plan(self, section: dict) -> "PipelineConfig":
+        """This configuration with the planner's choice (a ``"pipeline"`` section: schedule, options, parts)."""
+        from .schedules import registry
+        name = section["schedule"]
+        options = {k: v for k, v in section.items() if k not in ("schedule", "parts")}
+        registry.checked(name, options)
+        return replace(self, schedule=name, options=options, parts=_parts(section["parts"]))
+
     def schedule_class(self):
         from .schedules import registry
+        if self.planned:
+            raise ValueError('"schedule": "auto" is resolved by the planner before a schedule is built')
         if self.schedule == PROGRAM:
             from .schedules.from_program import ProgramSchedule
             return ProgramSchedule
@@ -167,6 +186,15 @@ class PipelineConfig:
         if "reshard_after_forward" in runtime and zero != 3:
             raise ValueError('"pipeline": reshard_after_forward applies to ZeRO stage 3 only; this config runs '
                              f"ZeRO stage {zero}")
+        if name == AUTO:
+            if not sharding:
+                raise ValueError('"schedule": "auto" (the planner) runs from deepspeed.initialize with a PipelineModule '
+                                 "and its training_data; the HF Trainer's path takes a schedule name for now (e.g. "
+                                 '"chimera"; `ds-chimera plan --profile FILE` ranks them)')
+            _check_planner_options(options)
+        parts = _parts(runtime["parts"]) if "parts" in runtime else None
+        if parts is not None and runtime.get("partition_method") is not None:
+            raise ValueError('"pipeline" takes "parts" (an explicit layer cut) or "partition_method", not both')
         trace_dir = runtime.get("trace_dir")
         if trace_dir is not None:
             trace_dir = check_writable_dir('"pipeline"', "trace_dir", trace_dir)
@@ -181,6 +209,7 @@ class PipelineConfig:
             timeout_s=check_seconds('"pipeline"', "timeout", runtime.get("timeout", DEFAULT_TIMEOUT_S)),
             trace_dir=trace_dir,
             partition_method=_partition_method(runtime.get("partition_method")),
+            parts=parts,
             activation_checkpoint_interval=interval,
             stages=stages,
             zero_stage=zero,
@@ -203,6 +232,9 @@ class PipelineConfig:
         from .schedules import registry
         if not isinstance(schedule, str):
             raise ValueError(f"{where}: schedule must be a schedule name, got {schedule!r}")
+        if schedule == AUTO:
+            raise ValueError(f'{where}: "auto" (the planner) runs from deepspeed.initialize with a PipelineModule; '
+                             f"Megatron's path takes a schedule name (ds-chimera plan --profile FILE ranks them)")
         options = dict(options)
         timeout = options.pop("timeout", DEFAULT_TIMEOUT_S)
         registry.checked(schedule, options, caller_steps=True)
@@ -252,7 +284,7 @@ def split_pipeline_section(section) -> tuple:
         name = section["schedule"]
         if not isinstance(name, str):
             raise ValueError(f'"pipeline": {{"schedule": ...}} must be a schedule name, got {name!r}')
-        options = registry.get(name).options
+        options = PLANNER_OPTIONS if name == AUTO else registry.get(name).options
     else:
         ours = sorted(set(section) - DEEPSPEED_PIPELINE_KEYS)
         if set(ours) <= RUNTIME_KEYS:
@@ -304,6 +336,34 @@ def check_writable_dir(where: str, name: str, path) -> str:
 
 
 # ---- the sections' parts ----------------------------------------------------------------------
+def _parts(value) -> tuple:
+    """An explicit layer cut: increasing layer indices from 0, one more than the stages (DeepSpeed's ``parts``)."""
+    if not isinstance(value, (list, tuple)) or len(value) < 2 or \
+            any(isinstance(v, bool) or not isinstance(v, int) for v in value) or value[0] != 0 or \
+            any(b <= a for a, b in zip(value, value[1:])):
+        raise ValueError(f'"pipeline": parts must be the layer boundaries of the stages, increasing integers from 0 '
+                         f"(stage s holds layers [parts[s], parts[s+1])), e.g. [0, 3, 6, 8]; got {value!r}")
+    return tuple(value)
+
+
+def _check_planner_options(options: dict) -> None:
+    """The planner's keys, checked before any profiling."""
+    limit = options.get("memory_limit_gb")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
+        raise ValueError(f'"pipeline": memory_limit_gb must be a number of GiB > 0 per rank, got {limit!r}')
+    acts = options.get("max_activations")
+    if acts is not None and (isinstance(acts, bool) or not isinstance(acts, (int, float)) or not acts >= 1):
+        raise ValueError(f'"pipeline": max_activations must be a number of micro-batches >= 1 per rank, got {acts!r}')
+    allow = options.get("allow_asynchronous", False)
+    if not isinstance(allow, bool):
+        raise ValueError(f'"pipeline": allow_asynchronous must be true or false, got {allow!r}')
+    for key in ("plan_file", "profile_file"):
+        path = options.get(key)
+        if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path)):
+            raise ValueError(f'"pipeline": {key} must be a file path, got {path!r}')
+
+
+
 def _precision(config: dict) -> str:
     """"bf16" or "fp32"; fp16 (loss scaling) is refused."""
     fp16 = config.get("fp16") or {}

@@ -62,7 +62,7 @@ def test_simulate_takes_the_sharded_gather_costs(capsys):
 def test_simulate_writes_trace_and_plot(tmp_path, capsys):
     trace, png = tmp_path / "t.json", tmp_path / "g.png"
     assert cli.main(["simulate", "--schedule", "chimera", "--stages", "4", "--micro-batches", "8",
-                     "--trace", str(trace), "--plot", str(png)]) == 0
+                     "--order", "concat", "--trace", str(trace), "--plot", str(png)]) == 0
     events = json.loads(trace.read_text())["traceEvents"]
     slices = [e for e in events if e["ph"] == "X"]
     assert len(slices) == 2 * 8 * 4

@@ -36,7 +36,8 @@ INPLACE = ["gpipe", "1f1b", "interleaved", "chimera", "zb-h1", "zbv"]
 MONITORED = ["1f1b", "chimera", "zbv"]
 OTHER += ["inplace-actckpt", "monitors", "param-groups", "param-groups-forms", "param-groups-zero1-2x2",
           "param-groups-zero3-2x2", "bad-zero3-groups", "bad-groups-left-out", "eval-arguments", "batch-size-change",
-          "bad-batch-size-interleaved", "bad-batch-size-async", "bad-eval-reduce", "bf16-export-2x2-zbv"]
+          "bad-batch-size-interleaved", "bad-batch-size-async", "bad-eval-reduce", "bf16-export-2x2-zbv",
+          "auto-plan", "bad-auto-no-data"]
 ASYNC_OPTIONS = {"pipeoptim-code": {"steps_ahead": "code"}, "pipeoptim-last": {"predictor": "last-update"}}
 ASYNC_KEYS = ["pipedream", "pipedream-2bw", "pipeoptim", "spectrain", "pipeoptim-code", "pipeoptim-last"]
 ASYNC_BF16 = ["async-bf16-4x1-pipeoptim", "async-bf16-2x2-pipedream"] + (["async-bf16-4x1-spectrain"] if FULL else [])
@@ -241,9 +242,23 @@ def test_global_norm_clipping_where_deepspeed_stock_is_wrong(results):
                                    "stages (4), got 6"),
     ("bad-batch-size-async", "set_train_batch_size(8) with the asynchronous schedule 'pipedream'"),
     ("bad-eval-reduce", "eval_batch: reduce_output must be 'avg' or None, got 'sum'"),
+    ("bad-auto-no-data", '"schedule": "auto" times your layers on a micro-batch of your data: pass training_data'),
 ])
 def test_bad_config_fails_at_initialize(results, scenario, message):
     assert message in (results[scenario]["error"] or "")
+
+
+def test_auto_trains_exactly_like_the_schedule_it_chose(results):
+    """"schedule": "auto" (issue 32): every rank runs the same plan, the plan_file holds it, and naming that
+    section by hand gives the same weights, bit for bit; both equal one-process training."""
+    r = results["auto-plan"]
+    assert all(chosen == r["chosen"] for chosen in r["every_rank"])
+    assert r["written"] == r["chosen"] and r["chosen"]["schedule"] != "auto"
+    assert len(r["chosen"]["parts"]) >= 5 and r["chosen"]["parts"][-1] == 9     # 9 layers, >= 4 stages
+    assert r["compared_tensors"] > 0 and r["engine_diff"] == 0.0
+    assert r["auto_losses"] == r["named_losses"]
+    assert r["ref_diff"] < 1e-5
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["auto_losses"], r["ref_losses"]))
 
 
 @pytest.mark.parametrize("scenario", ["bf16-4x1-chimera", "bf16-4x1-chimera-zb", "bf16-2x2-zbv", "bf16-4x1-1f1b-noclip"])

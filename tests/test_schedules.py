@@ -38,7 +38,7 @@ def test_grid_is_complete_and_deadlock_free():
         schedule = make(name, d, n, v)
         result = simulate(schedule.lower(), SPLIT)
         assert result.valid, (name, d, n, v, result.errors[:3], result.deadlock)
-        split = name in ("zb-h1", "zbv")
+        split = name in ("zb-h1", "zbv") or getattr(schedule, "order", None) == "zero-bubble"
         kinds = {a.kind for order in schedule.orders for a in order}
         assert kinds == ({FORWARD, INPUT_GRAD, WEIGHT_GRAD} if split else {FORWARD, BACKWARD}), name
         per_chunk = 3 if split else 2
@@ -91,10 +91,34 @@ def test_chimera_zero_bubble_waits_only_for_the_nearest_pipeline_head(d, k):
     assert every.makespan == pytest.approx(3 * n)
 
 
-def test_chimera_auto_keeps_the_fused_backward():
-    # zero-bubble runs twice the backward ops and holds activations until W: chosen by name only
-    for n in (4, 8, 32):
-        assert build("chimera", 4, n, costs=SPLIT).order in ("concat", "merged", "forward-doubling")
+@pytest.mark.parametrize("d,n", [(2, 2), (4, 4), (4, 8), (4, 32), (8, 8), (8, 16), (8, 32)])
+def test_chimera_auto_fits_1f1b_activations_and_is_the_fastest_that_fits(d, n):
+    # switching from 1F1B to Chimera must not need more activation memory (issue 32): the default
+    # order holds at most 1F1B's peak, and no order that fits is faster under the same costs
+    costs = Costs()
+    one_f_one_b = max(simulate(build("1f1b", d, n).lower(), costs).peak_activations)
+    chosen = build("chimera", d, n)
+    result = simulate(chosen.lower(), costs)
+    assert max(result.peak_activations) <= one_f_one_b
+    for order in ("concat", "forward-doubling", "merged", "zero-bubble"):
+        other = simulate(build("chimera", d, n, order=order).lower(), costs)
+        if max(other.peak_activations) <= one_f_one_b:
+            assert result.makespan <= other.makespan + 1e-9, order
+
+
+
+def test_chimera_auto_takes_forward_doubling_only_with_the_memory_for_it():
+    # with no weight-grad to defer, zero-bubble gains nothing and forward-doubling (2D activations) is fastest
+    costs = {"fwd": 1, "bwd": 2, "wgrad": 0}
+    assert build("chimera", 4, 8, costs=costs).order == "concat"
+    assert build("chimera", 4, 8, costs=costs, max_activations=8).order == "forward-doubling"
+
+
+def test_chimera_max_activations_is_checked():
+    with pytest.raises(ValueError, match="max_activations must be a number of micro-batches >= 1.*got 0"):
+        build("chimera", 4, 8, max_activations=0)
+    with pytest.raises(ValueError, match="max_activations bounds the choice of order: auto"):
+        build("chimera", 4, 8, order="concat", max_activations=8)
 
 
 @pytest.mark.parametrize("d", [2, 3, 4, 6, 8])
@@ -160,9 +184,9 @@ def test_weights_per_rank():
 
 def test_chimera_auto_picks_the_fastest_order():
     costs = Costs(fwd=1.0, bwd=2.0, wgrad=1.0)
-    chosen = build("chimera", 8, 32, costs=costs)
+    chosen = build("chimera", 8, 32, costs=costs, max_activations=16)    # room for every order
     spans = {o: simulate(build("chimera", 8, 32, order=o).lower(), costs).makespan
-             for o in ("concat", "merged", "forward-doubling")}
+             for o in ("concat", "merged", "forward-doubling", "zero-bubble")}
     assert spans[chosen.order] == min(spans.values())
     # with backward = 2 x forward, plain concatenation falls behind 1F1B at N >= 4D ...
     one = simulate(build("1f1b", 8, 32).lower(), costs).makespan
@@ -256,3 +280,14 @@ def test_replay_with_measured_op_durations():
     slow = dict(same)
     slow[(FORWARD, 0, 0)] += 3.0        # micro-batch 0's first forward: everything waits for it
     assert compute_timing(schedule.placement, schedule.orders, costs, durations=slow)[0] == pytest.approx(span + 3.0)
+
+
+def test_readme_schedule_table_is_the_simulators():
+    """The README's schedule table is generated (python -m ds_chimera.sim.table --write README.md): it must
+    equal what the simulator gives for today's code, so its figures cannot drift (issue 32)."""
+    import os
+    from ds_chimera.sim.table import BEGIN, END, schedule_table
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    shown = readme.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    assert shown == schedule_table()
+    assert "| `chimera` |" in shown and "order zero-bubble" in shown

@@ -96,6 +96,9 @@ def _initialize_pipeline(original, call: dict, pipeline, loaded: dict):
     from ..runtime.setup import prepare_module
     model, optimizer, lr_scheduler, args = call["model"], call.get("optimizer"), call.get("lr_scheduler"), \
         call.get("args")
+    if pipeline.planned:      # "schedule": "auto": profile the layers on the first micro-batch, plan, then go on
+        from ..planner.deepspeed import resolve
+        pipeline = resolve(model, pipeline, loaded, call.get("training_data"), call.get("collate_fn"), optimizer)
     model_parameters = prepare_module(model, pipeline, call.get("model_parameters"))
     rebound = _rebind_optimizer(optimizer, model)
     if rebound is not optimizer and lr_scheduler is not None and not callable(lr_scheduler):

@@ -84,7 +84,15 @@ def make_plan(config: PipelineConfig, num_stages: int, dp: int, num_layers: int,
         raise ValueError(f"schedule {config.schedule!r} cuts the model into {schedule.placement.num_stages} stages "
                          f"but the PipelineModule has only {num_layers} layers{hint}")
     program, eval_program = _programs(config, schedule)
-    parts = parts_fn(schedule.placement.num_stages, config.partition_method)
+    num_stages = schedule.placement.num_stages
+    if config.parts is not None:
+        parts = list(config.parts)
+        if len(parts) != num_stages + 1 or parts[-1] != num_layers:
+            raise ValueError(f'"pipeline": parts {parts} must cut the {num_layers} layers into the {num_stages} stages '
+                             f"schedule {config.schedule!r} places here: {num_stages + 1} boundaries from 0 to "
+                             f"{num_layers}")
+    else:
+        parts = parts_fn(num_stages, config.partition_method)
     return Plan(schedule, program, eval_program, parts, config)
 
 

@@ -41,6 +41,9 @@ def prepare_module(module, config: PipelineConfig, model_parameters):
             return list(module.parts)          # the user's own cut, whatever method made it
         return partition(module, num_parts, method or _infer_method(module, num_stages))
 
+    if _checkpoint_interval(module, config):
+        # a schedule that chooses its order from costs (Chimera's auto) prices the recomputation
+        config = config.with_default_option("recompute", True)
     plan = make_plan(config, num_stages, dp, len(module._layer_specs), parts_fn)
     zero = config.zero_stage
     if zero == 1:

@@ -22,6 +22,18 @@ class Schedule:
     synchronous: ClassVar[bool] = True   # False: no flush, the schedule emits its own steps
 
     def __init__(self, stages: int, micro_batches: int, **options):
+        self._configure(stages, micro_batches, options)
+        self.orders: list = self.build_orders()
+
+    @classmethod
+    def placed(cls, stages: int, micro_batches: int, **options) -> "Schedule":
+        """The schedule with its options checked and its placement built but no orders: what the
+        planner's bounds need, without the cost of ordering (list-scheduled orders take seconds at scale)."""
+        schedule = cls.__new__(cls)
+        schedule._configure(stages, micro_batches, options)
+        return schedule
+
+    def _configure(self, stages: int, micro_batches: int, options: dict) -> None:
         self.stages = check_int(self.name, "stages", stages, 1)
         self.micro_batches = check_int(self.name, "micro_batches", micro_batches, 1)
         unknown = sorted(set(options) - set(self.options))
@@ -30,8 +42,7 @@ class Schedule:
             raise ValueError(f"{self.name}: unknown option {unknown[0]!r}; allowed options: {allowed}")
         self.config = {**self.options, **options}
         self.validate()
-        self.placement: Placement = self.build_placement()
-        self.orders: list = self.build_orders()
+        self.placement = self.build_placement()
 
     @property
     def chunks_per_rank(self) -> int:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..validation import check_choice, check_int, check_mapping
-from .actions import BACKWARD, FORWARD, Action
+from .actions import BACKWARD, FORWARD, WEIGHT_GRAD, Action
 from .base import Schedule
 from .classic import one_f_one_b_orders
 from .costs import COST_NAMES, Costs
@@ -10,7 +10,7 @@ from .placement import Placement
 from .timing import compute_timing, fastest_list_schedule, merge_by_time, time_orders
 
 ORDERS = ("auto", "concat", "forward-doubling", "merged", "zero-bubble")
-FUSED_ORDERS = ("concat", "forward-doubling", "merged")   # what ``auto`` chooses among
+AUTO_CANDIDATES = ("concat", "forward-doubling", "merged", "zero-bubble")   # ``auto``'s choices; ties: earlier
 
 
 class Chimera(Schedule):
@@ -36,16 +36,20 @@ class Chimera(Schedule):
       forwards reach it, so at F = I = W and N >= 2D the makespan is 3N + (D-1)//2 units
       with f = 1 (ZB-V: 3N + (D-1)/2; 1F1B: 3N + 3(D-1)), and 3N with f = D/2, where
       every rank heads a pipeline (at D stage copies of weights per rank);
-    * ``auto``: simulate the three fused-backward orders under ``costs`` (default F=1,
-      B=2) and keep the fastest. ``zero-bubble`` is chosen by name: it runs twice as
-      many backward ops, and holds each activation until its W.
+    * ``auto``: simulate the four orders under ``costs`` (default F=1, B=2, W=1) and keep
+      the fastest of those whose peak activations per rank stay within ``max_activations``
+      micro-batches (default: 1F1B's peak, min(N, D)), so switching from 1F1B to Chimera
+      never needs more activation memory. ``concat`` always fits; ``forward-doubling``
+      (2D) and ``merged`` (D+1) fit only with a larger budget. With ``recompute`` (set by the
+      runtime under activation checkpointing) the backward recomputes the forward first, once
+      for a fused backward and twice for a split one (I and W each), which ``auto`` prices.
 
     Unlike the reference generator, no order ever drops an operation, for any N >= 1.
     """
 
     name = "chimera"
     summary = "bidirectional pipelines, 2f replicas per rank; bubble (D-2)/(2N+D-2) at N=D"
-    options = {"pipelines": 1, "order": "auto", "costs": None}
+    options = {"pipelines": 1, "order": "auto", "costs": None, "max_activations": None, "recompute": False}
 
     def validate(self):
         d = self.stages
@@ -63,25 +67,42 @@ class Chimera(Schedule):
                              f"gradient_accumulation_steps) >= {routes}, got {self.micro_batches}: with fewer, a "
                              f"replica's layers would hold weights but never train; use more micro-batches or 1f1b")
         self.order = check_choice(self.name, "order", self.config["order"], ORDERS)
+        limit = self.config["max_activations"]
+        if limit is not None:
+            if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 1:
+                raise ValueError(f"chimera: max_activations must be a number of micro-batches >= 1 (the "
+                                 f"activations a rank may hold at once), got {limit!r}")
+            if self.order != "auto":
+                raise ValueError(f"chimera: max_activations bounds the choice of order: auto, and order "
+                                 f"{self.order!r} is named; drop one of them")
+        if not isinstance(self.config["recompute"], bool):
+            raise ValueError(f"chimera: recompute must be true or false, got {self.config['recompute']!r}")
         if self.order == "auto":
             self.order = self.choose_order(self.stages, self.micro_batches, self.pipelines,
-                                           self.config["costs"])
+                                           self.config["costs"], limit, self.config["recompute"])
 
     @staticmethod
-    def choose_order(stages: int, micro_batches: int, pipelines: int, costs=None) -> str:
-        """The order with the smallest makespan under ``costs`` (ties: paper's first).
+    def choose_order(stages: int, micro_batches: int, pipelines: int, costs=None, max_activations=None,
+                     recompute: bool = False) -> str:
+        """The fastest order under ``costs`` whose peak activations fit ``max_activations`` (ties: earlier).
 
         The makespan is the simulator's (compute, message latency, the gradient syncs),
         without the hosts' per-message send/receive time, which no order choice changes much.
+        ``max_activations`` defaults to 1F1B's peak on the same ranks, min(N, D) micro-batches;
+        ``concat`` never exceeds it, so some order always fits.
         """
         if costs is None:
             costs = Costs()
         elif not isinstance(costs, Costs):
             costs = Costs(**check_mapping("chimera", "costs", costs, COST_NAMES, '{"fwd": 1, "bwd": 2}'))
+        limit = min(micro_batches, stages) if max_activations is None else max_activations
         best = None
-        for order in FUSED_ORDERS:
+        for order in AUTO_CANDIDATES:
             candidate = Chimera(stages, micro_batches, pipelines=pipelines, order=order)
-            makespan = compute_timing(candidate.placement, candidate.orders, costs, syncs=True)[0]
+            if order != "concat" and peak_activations(candidate.orders) > limit:
+                continue
+            priced = _with_recomputation(costs, split=order == "zero-bubble") if recompute else costs
+            makespan = compute_timing(candidate.placement, candidate.orders, priced, syncs=True)[0]
             if best is None or makespan < best[0] - 1e-9:
                 best = (makespan, order)
         return best[1]
@@ -166,6 +187,30 @@ class Chimera(Schedule):
         times = time_orders(local, orders, Costs(fwd=1.0, bwd=1.0, wgrad=0.0))
         return [(times[(a.kind, a.chunk, a.mb)], a.kind, a.chunk, a.mb, ranks[a.chunk])
                 for order in orders for a in order]
+
+
+def _with_recomputation(costs: Costs, split: bool) -> Costs:
+    """Costs under activation checkpointing: a fused backward recomputes the forward once; a split one
+    recomputes it for the input-grad and again for the weight-grad."""
+    from dataclasses import replace
+    if split:
+        return replace(costs, bwd=costs.bwd + 2 * costs.fwd, wgrad=costs.wgrad + costs.fwd)
+    return replace(costs, bwd=costs.bwd + costs.fwd, wgrad=min(costs.wgrad + costs.fwd, costs.bwd + costs.fwd))
+
+
+def peak_activations(orders: list) -> int:
+    """The most micro-batches' activations any rank holds at once, counted along its order (a forward
+    adds one, a full backward or a weight-grad frees it): the same on every run, whatever the timing."""
+    peak = 0
+    for order in orders:
+        live = 0
+        for action in order:
+            if action.kind == FORWARD:
+                live += 1
+                peak = max(peak, live)
+            elif action.kind in (BACKWARD, WEIGHT_GRAD):
+                live -= 1
+    return peak
 
 
 def _split_evenly(count: int, parts: int) -> list:

@@ -79,3 +79,47 @@ class Costs:
 
 
 UNIT_COSTS = Costs(fwd=1.0, bwd=1.0, wgrad=0.5)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per-stage compute costs and activation sizes, for models whose layers differ (measured by the
+    planner's profile of the user's layers; a stage is a placement stage, a contiguous run of layers).
+
+    Where given, the simulator takes each chunk's F, B, I = ``bwd - wgrad`` and W from its stage
+    here instead of ``Costs`` x the chunk's size, and counts ``activations`` (what one micro-batch
+    leaves saved for the backward on that stage, in any unit, e.g. bytes) instead of micro-batches.
+    """
+
+    fwd: tuple
+    bwd: tuple
+    wgrad: tuple
+    activations: tuple
+
+    def __post_init__(self):
+        n = len(self.fwd)
+        for name in ("fwd", "bwd", "wgrad", "activations"):
+            values = tuple(float(v) for v in getattr(self, name))
+            if len(values) != n:
+                raise ValueError(f"stage costs: {name} has {len(values)} stages, fwd has {n}")
+            if any(not math.isfinite(v) or v < 0 for v in values):
+                raise ValueError(f"stage costs: {name} must be finite numbers >= 0, got {values}")
+            object.__setattr__(self, name, values)
+        for s, (b, w) in enumerate(zip(self.bwd, self.wgrad)):
+            if w > b + 1e-12:
+                raise ValueError(f"stage costs: stage {s}'s wgrad {w} exceeds its bwd {b}")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.fwd)
+
+    def of(self, kind: str, stage: int) -> float:
+        if kind == FORWARD:
+            return self.fwd[stage]
+        if kind == BACKWARD:
+            return self.bwd[stage]
+        if kind == INPUT_GRAD:
+            return self.bwd[stage] - self.wgrad[stage]
+        if kind == WEIGHT_GRAD:
+            return self.wgrad[stage]
+        return 0.0

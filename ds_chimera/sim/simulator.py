@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from ..schedules.actions import (BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, Action, ClipGrads, ClipScope,
                                  CommBatch, Gather, GradSync, OptimizerStep, Release, SyncWait)
-from ..schedules.costs import UNIT_COSTS, Costs  # noqa: F401  (Costs is part of the simulator's API)
+from ..schedules.costs import UNIT_COSTS, Costs, StageCosts  # noqa: F401  (Costs is part of the simulator's API)
 from ..schedules.lowering import Program, gc_paused
 
 
@@ -71,21 +71,28 @@ class SimResult:
 
 
 def simulate(program: Program, costs: Costs = Costs(), chunks_per_rank: int = 1,
-             max_errors: int = 100, data_parallel: int = 1) -> SimResult:
+             max_errors: int = 100, data_parallel: int = 1, stage_costs: StageCosts | None = None) -> SimResult:
     """Execute ``program`` under ``costs``; never raises on a bad program, it reports it.
 
     ``data_parallel``: copies of the whole pipeline the gradient syncs also span (outside the
     program, which is one pipeline's): with more than one, a sync over a single stage replica
-    still costs ``allreduce`` (the reduce-scatter under sharding)."""
+    still costs ``allreduce`` (the reduce-scatter under sharding).
+
+    ``stage_costs``: each stage's own F, B, W and activation size (layers that differ); the
+    peak activations are then in its unit, and the ideal is the whole model's work spread
+    evenly over the ranks."""
     if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
         raise ValueError(f"simulate: data_parallel must be an integer >= 1, got {data_parallel!r}")
+    if stage_costs is not None and stage_costs.num_stages != program.placement.num_stages:
+        raise ValueError(f"simulate: stage_costs has {stage_costs.num_stages} stages, the program "
+                         f"{program.placement.num_stages}")
     with gc_paused():
-        return _simulate(program, costs, chunks_per_rank, max_errors, data_parallel)
+        return _simulate(program, costs, chunks_per_rank, max_errors, data_parallel, stage_costs)
 
 
 def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: int,
-              data_parallel: int) -> SimResult:
-    sim = _Simulation(program, costs, max_errors, data_parallel)
+              data_parallel: int, stage_costs=None) -> SimResult:
+    sim = _Simulation(program, costs, max_errors, data_parallel, stage_costs)
     sim.run()
     return sim.result(chunks_per_rank)
 
@@ -101,7 +108,8 @@ class _Simulation:
     rank as a waiter, and the worklist takes the rank up again at the same op once it is woken.
     """
 
-    __slots__ = ("program", "costs", "data_parallel", "max_errors", "placement", "num_ranks", "size",
+    __slots__ = ("program", "costs", "stage_costs", "act", "data_parallel", "max_errors", "placement", "num_ranks",
+                 "size",
                  "chunk_rank", "chunk_stage", "chunk_replica", "nxt", "prv", "mb_replica", "num_mbs", "nch",
                  "kinds", "errors", "f_end", "b_end", "i_end", "w_end", "got_act", "got_grad",
                  "messages", "edge_sent", "edge_recv", "routed", "stage_chunks_on", "msg_waiter", "sync_posts",
@@ -110,8 +118,9 @@ class _Simulation:
                  "pc", "clock", "busy", "live", "peak", "sends_posted", "records", "sync_records", "work",
                  "queued")
 
-    def __init__(self, program: Program, costs: Costs, max_errors: int, data_parallel: int):
+    def __init__(self, program: Program, costs: Costs, max_errors: int, data_parallel: int, stage_costs=None):
         self.program, self.costs, self.data_parallel, self.max_errors = program, costs, data_parallel, max_errors
+        self.stage_costs = stage_costs
         placement = self.placement = program.placement
         num_ranks = self.num_ranks = placement.num_ranks
         size = self.size = placement.size
@@ -126,11 +135,19 @@ class _Simulation:
         self.errors: list = []
         # end time of each (kind, chunk, mb), flat-indexed chunk * N + mb; None until it has run
         self.f_end, self.b_end, self.i_end, self.w_end, s_end = ([None] * (nch * num_mbs) for _ in range(5))
-        # compute kind -> (its end times, its time on a chunk, its code for _action's branches)
-        self.kinds = {FORWARD: (self.f_end, costs.of(FORWARD) * size, _F),
-                      BACKWARD: (self.b_end, costs.of(BACKWARD) * size, _B),
-                      INPUT_GRAD: (self.i_end, costs.of(INPUT_GRAD) * size, _I),
-                      WEIGHT_GRAD: (self.w_end, costs.of(WEIGHT_GRAD) * size, _W), STEP: (s_end, costs.step * size, _S)}
+        # compute kind -> (its end times, its time on each chunk, its code for _action's branches)
+        stages = self.chunk_stage
+        if stage_costs is None:
+            def times(kind):
+                return [costs.of(kind) * size] * nch
+            self.act = [size] * nch          # activations held per micro-batch, in rank-shares of layers
+        else:
+            def times(kind):
+                return [stage_costs.of(kind, s) for s in stages]
+            self.act = [stage_costs.activations[s] for s in stages]
+        self.kinds = {FORWARD: (self.f_end, times(FORWARD), _F), BACKWARD: (self.b_end, times(BACKWARD), _B),
+                      INPUT_GRAD: (self.i_end, times(INPUT_GRAD), _I),
+                      WEIGHT_GRAD: (self.w_end, times(WEIGHT_GRAD), _W), STEP: (s_end, [costs.step * size] * nch, _S)}
         self.got_act, self.got_grad = bytearray(nch * num_mbs), bytearray(nch * num_mbs)   # received by the consumer
         self.messages: dict = {}            # Message -> arrival time
         self.edge_sent = defaultdict(list)  # (kind, src, dst) -> micro-batches in send order
@@ -210,9 +227,11 @@ class _Simulation:
                                              self.sync_groups)
         if not deadlock:
             _check_complete(self)
-        costs, sharded = self.costs, self.sharded
+        costs, sharded, stage_costs = self.costs, self.sharded, self.stage_costs
+        ideal = self.num_mbs * (costs.fwd + costs.bwd) if stage_costs is None else \
+            self.num_mbs * (sum(stage_costs.fwd) + sum(stage_costs.bwd)) / self.num_ranks
         return SimResult(program.name, self.num_ranks, self.num_mbs, chunks_per_rank, max(clock) if clock else 0.0,
-                         self.num_mbs * (costs.fwd + costs.bwd), self.busy, self.peak,
+                         ideal, self.busy, self.peak,
                          program.weights or placement.weights_per_rank(), self.errors, deadlock, self.records,
                          self.sync_records, self.gathers if sharded else [], self.gathered_peak if sharded else [])
 
@@ -230,7 +249,8 @@ class _Simulation:
             self.error(f"rank {r}: {op}: micro-batch {mb} does not flow through chunk {c}")
         idx = c * num_mbs + mb
         try:
-            mine, dt, code = self.kinds[kind]
+            mine, dts, code = self.kinds[kind]
+            dt = dts[c]
         except KeyError:
             self.error(f"rank {r}: unknown action kind {kind!r}")
             return t
@@ -250,7 +270,7 @@ class _Simulation:
                 elif chunk_rank[p] != r and not self.got_act[idx]:
                     self.error(f"rank {r}: {op} runs without receiving its activation")
             live = self.live
-            live[r] += self.size
+            live[r] += self.act[c]
             if live[r] > self.peak[r]:
                 self.peak[r] = live[r]
         elif code == _B or code == _I:
@@ -264,11 +284,11 @@ class _Simulation:
                 elif chunk_rank[n] != r and not self.got_grad[idx]:
                     self.error(f"rank {r}: {op} runs without receiving its gradient")
             if code == _B:
-                self.live[r] -= self.size
+                self.live[r] -= self.act[c]
         elif code == _W:
             if self.i_end[idx] is None:
                 self.error(f"rank {r}: {op} runs before its input-grad")
-            self.live[r] -= self.size
+            self.live[r] -= self.act[c]
         else:   # STEP: one chunk's optimizer step, after a SYNC_WAIT of its stage
             if self.b_end[idx] is None and self.w_end[idx] is None:
                 self.error(f"rank {r}: {op} steps before micro-batch {mb}'s gradient exists")

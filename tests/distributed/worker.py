@@ -388,6 +388,8 @@ def bad_config(kind):
             cfg = config("chimera", 8, 1)
             cfg.update(train_batch_size=10, train_micro_batch_size_per_gpu=4)
             make_engine(4, cfg, specs)
+        elif kind == "auto-no-data":
+            make_engine(4, config("auto", 8, 1), specs)
         elif kind == "fp16":
             cfg = config("1f1b", 8, 1)
             cfg["fp16"] = {"enabled": True}
@@ -733,11 +735,11 @@ def _forward_grad(layers, x):
     return x
 
 
-def traced_step(schedule, n=8):
+def traced_step(schedule, n=8, **options):
     """One step with trace_dir: every rank writes what it ran, in the simulator's trace format."""
     holder = [tempfile.mkdtemp(prefix="dsc_trace_") if tdist.get_rank() == 0 else None]
     tdist.broadcast_object_list(holder, src=0)
-    cfg = config(schedule, n, 1)
+    cfg = config(schedule, n, 1, **options)
     cfg["pipeline"]["trace_dir"] = holder[0]
     engine = make_engine(4, cfg, mlp_specs(16))
     engine.train_batch(iter(make_global_batches(n)(0)))
@@ -871,6 +873,74 @@ def async_continuous(schedule, n=8, calls=2, clip=NO_CLIP, **options):
             "global_steps": engine.global_steps, "total": total}
 
 
+def unequal_specs():
+    """Layers of unequal cost and size (a wide block, a heavy head), for the planner's scenario."""
+    from torch import nn
+    from deepspeed.pipe import LayerSpec
+    from models import WIDTH
+    return ([LayerSpec(nn.Linear, WIDTH, 64), LayerSpec(CountingTanh)] +
+            [LayerSpec(nn.Linear, 64, 64) for _ in range(4)] + [LayerSpec(CountingTanh), LayerSpec(nn.Linear, 64, 256),
+                                                                 LayerSpec(nn.Linear, 256, WIDTH)])
+
+
+def engine_diff(first, second):
+    """Largest difference between two engines' layers on the same ranks (same plan), all-reduced MAX."""
+    a, b = local_layers(first), local_layers(second)
+    if sorted(a) != sorted(b):
+        raise AssertionError(f"the engines hold different layers: {sorted(a)} and {sorted(b)}")
+    worst, tensors = 0.0, 0
+    for idx in a:
+        if isinstance(a[idx], torch.nn.Module):
+            for p, q in zip(a[idx].parameters(), b[idx].parameters()):
+                worst = max(worst, (p.detach() - q.detach()).abs().max().item())
+                tensors += 1
+    t = torch.tensor([worst, tensors], dtype=torch.float64)
+    tdist.all_reduce(t[:1], op=tdist.ReduceOp.MAX)
+    n = torch.tensor([tensors])
+    tdist.all_reduce(n)
+    return t[0].item(), int(n.item())
+
+
+def auto_plan(stages=4, n=8, steps=2):
+    """"schedule": "auto" with training_data: the plan every rank runs, and the weights against the same
+    section named by hand (the plan_file it wrote) and against one-process training."""
+    from torch.utils.data import TensorDataset
+    from models import WIDTH
+    specs = unequal_specs()
+    plan_file = os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), "auto-plan.json")
+    data = TensorDataset(torch.randn(4 * n * MICRO, WIDTH), torch.randn(4 * n * MICRO, WIDTH))
+
+    def build(cfg, training_data=None):
+        net = PipelineModule(layers=specs, num_stages=stages, loss_fn=torch.nn.MSELoss(), partition_method="uniform",
+                             seed_layers=True, base_seed=BASE_SEED)
+        engine, _, _, _ = deepspeed.initialize(model=net, config=cfg, training_data=training_data,
+                                               optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9))
+        return engine
+
+    def train(engine):
+        return [engine.train_batch(iter(global_batches(s))).item() for s in range(steps)]
+
+    global_batches = make_global_batches(n)
+    auto = build(config("auto", n, 1, clip=NO_CLIP, plan_file=plan_file, memory_limit_gb=64), data)
+    plan = auto.module._ds_chimera_plan
+    chosen = {"schedule": plan.schedule.name, **plan.config.options, "parts": list(plan.parts)}
+    every = [None] * tdist.get_world_size()
+    tdist.all_gather_object(every, chosen)
+    tdist.barrier()
+    with open(plan_file) as fh:
+        written = json.load(fh)["pipeline"]
+    auto_losses = train(auto)
+    named = build(config(written["schedule"], n, 1, clip=NO_CLIP,
+                         **{k: v for k, v in written.items() if k != "schedule"}))
+    named_losses = train(named)
+    diff, tensors = engine_diff(auto, named)
+    ref_layers = build_reference(specs)
+    ref_losses, _ = run_reference(ref_layers, global_batches, steps, LR, NO_CLIP)
+    return {"chosen": chosen, "every_rank": every, "written": written, "auto_losses": auto_losses,
+            "named_losses": named_losses, "engine_diff": diff, "compared_tensors": tensors,
+            "ref_diff": max_param_diff(auto, ref_layers), "ref_losses": ref_losses}
+
+
 SCENARIOS = {}
 SCENARIOS["async-continuous-pipeoptim"] = lambda: async_continuous("pipeoptim")
 SCENARIOS["async-continuous-pipedream"] = lambda: async_continuous("pipedream")
@@ -965,7 +1035,7 @@ SCENARIOS["zero3-ckpt-breadth-first"] = lambda: zero_checkpoint("breadth-first",
 SCENARIOS["interop-stock-to-1f1b"] = lambda: stock_interop("stock", "1f1b")
 SCENARIOS["interop-1f1b-to-stock"] = lambda: stock_interop("1f1b", "stock")
 SCENARIOS["interop-stock-to-gpipe"] = lambda: stock_interop("stock", "gpipe")
-SCENARIOS["trace-chimera"] = lambda: traced_step("chimera")
+SCENARIOS["trace-chimera"] = lambda: traced_step("chimera", order="concat")     # a fused backward: B
 SCENARIOS["trace-zbv"] = lambda: traced_step("zbv")
 SCENARIOS["lm-chimera"] = lambda: lm_training("chimera")
 SCENARIOS["lm-zbv"] = lambda: lm_training("zbv")
@@ -1002,9 +1072,10 @@ for key, opts in {"1f1b": {}, "gpipe": {}, "interleaved": {"chunks": 2}, "breadt
                   "zb-h1": {}, "zbv": {}}.items():
     SCENARIOS[f"equiv-1x1-{key}"] = (lambda key=key, opts=opts: train_and_compare(key, 1, 1, 4, **opts))
     SCENARIOS[f"bf16-1x1-{key}"] = (lambda key=key, opts=opts: train_and_compare(key, 1, 1, 4, bf16=True, **opts))
+SCENARIOS["auto-plan"] = auto_plan
 for kind in ("unknown", "pipelines", "interleaved-n", "option", "zero1-chimera", "zero1-tied", "zero2", "zero1-reduce",
              "zero3-async", "zero3-bf16", "zero3-tied", "reshard-zero1", "zero3-groups", "groups-left-out",
-             "batch-size-interleaved", "batch-size-async", "eval-reduce",
+             "batch-size-interleaved", "batch-size-async", "eval-reduce", "auto-no-data",
              "fp16", "batch-split",
              "load-other-schedule", "async-tied", "async-actckpt", "async-bf16", "async-steps-ahead"):
     SCENARIOS[f"bad-{kind}"] = (lambda kind=kind: bad_config(kind))

@@ -1,0 +1,213 @@
+"""``"pipeline": {"schedule": "auto"}`` in ``deepspeed.initialize``: profile, plan, then run the choice.
+
+When: at ``initialize``, before any layer is rebuilt, on the first micro-batch of the
+``training_data`` the script passes (as DeepSpeed's own pipeline examples do). A script that
+passes no ``training_data`` names a ``profile_file`` written by an earlier run, or is told how.
+
+Where: global rank 0 (a first stage's device) times the layers, one built at a time, on that
+micro-batch; every rank then measures the links with its neighbours; rank 0 plans and sends the
+chosen ``"pipeline"`` section to every rank, so all build the same schedule, options and cut.
+The result is exactly what naming that section by hand runs (``plan_file`` writes it).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ..logs import get_logger
+from .memory import GIB
+from .profile import Profile, profile_layers
+from .search import Budget, Setting, plan
+
+log = get_logger()
+
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "fusedadam": 8, "cpuadam": 8, "lamb": 8, "fusedlamb": 8,
+                         "adagrad": 4, "sgd": 0}
+
+
+def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None, optimizer=None):
+    """The PipelineConfig with ``auto`` replaced by the planner's choice (every rank, same answer)."""
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    from .links import measure_links
+    options = dict(pipeline.options)
+    grid = module._grid
+    stages, dp = grid.pipe_parallel_size, grid.data_parallel_size
+    device = torch.device(get_accelerator().device_name(module.local_rank))
+    micro_batches = pipeline.batch.micro_batches(dp)
+    profile_file = options.get("profile_file")
+    rank = dist.get_rank()
+    profile = None
+    if profile_file and os.path.exists(profile_file):
+        profile = Profile.load(profile_file)
+        if profile.num_layers != len(module._layer_specs):
+            raise ValueError(f'"pipeline": profile_file {profile_file!r} profiles {profile.num_layers} layers; this '
+                             f"PipelineModule has {len(module._layer_specs)}: delete it to profile again")
+    elif training_data is None:
+        raise ValueError('"schedule": "auto" times your layers on a micro-batch of your data: pass training_data to '
+                         "deepspeed.initialize (as DeepSpeed's pipeline examples do), or name a profile_file an "
+                         "earlier run wrote, or name a schedule")
+    payload = [None]
+    if profile is None and rank == 0:
+        log.info("schedule auto: profiling %d layers on %s", len(module._layer_specs), device)
+        payload[0] = profile_module(module, training_data, collate_fn, pipeline, dp, device,
+                                    _optimizer_state_bytes(config, optimizer)).to_json()
+    if profile is None:
+        dist.broadcast_object_list(payload, src=0)
+        profile = Profile.from_json(payload[0])
+    first, second = grid.stage_to_global(stage_id=0), grid.stage_to_global(stage_id=min(1, stages - 1))
+    big = max(max(layer.output_bytes for layer in profile.layers), 1 << 20)
+    grads = max(sum(layer.param_bytes for layer in profile.layers) // max(1, stages), 1 << 20)
+    stage_fwd = sum(layer.fwd for layer in profile.layers) / max(1, stages)
+    links = measure_links(dist, first, second, grid.get_data_parallel_group(), device, big_bytes=big, reduce_bytes=grads,
+                          idle_s=min(max(stage_fwd, 1e-3), 0.05),
+                          same_host=int(os.environ.get("LOCAL_WORLD_SIZE", "1")) >= 2,
+                          pipe_group=grid.get_pipe_parallel_group() if dp == 1 else None)
+    profile = Profile(profile.layers, links, profile.micro_batch_size, profile.device,
+                      profile.optimizer_state_bytes_per_param, profile.meta)
+    if rank == 0 and profile_file and not os.path.exists(profile_file):
+        profile.save(profile_file)
+    setting = Setting(stages=stages, micro_batches=micro_batches, data_parallel=dp, precision=pipeline.precision,
+                      zero=pipeline.zero_stage, checkpoint_interval=_checkpoint_interval(module, pipeline),
+                      allow_asynchronous=bool(options.get("allow_asynchronous")))
+    budget = Budget(memory_bytes=_memory_budget(options, device, dist), max_activations=options.get("max_activations"))
+    decided = [None]
+    if rank == 0:
+        result = plan(profile, setting, budget)
+        log.info("schedule auto:\n%s", result.report())
+        if result.chosen is None:
+            decided[0] = {"error": result.why_nothing()}
+        else:
+            decided[0] = {"pipeline": result.pipeline_section(), "step_s": result.chosen.step_s,
+                          "peak_bytes": result.chosen.peak_bytes}
+            if options.get("plan_file"):
+                from ..atomic import write_text_atomic
+                write_text_atomic(options["plan_file"], json.dumps({"pipeline": decided[0]["pipeline"]},
+                                                                   indent=1) + "\n")
+    dist.broadcast_object_list(decided, src=0)
+    if "error" in decided[0]:
+        raise ValueError(decided[0]["error"])
+    module._ds_chimera_auto = decided[0]      # the choice and its predicted step and peak memory, for reports
+    return pipeline.with_plan(decided[0]["pipeline"])
+
+
+def profile_module(module, training_data, collate_fn, pipeline, dp: int, device, optimizer_bytes: int) -> Profile:
+    """Time every layer of ``module`` on the first micro-batch of ``training_data``.
+
+    The random state is restored afterwards (the loader's seed, dropout, layers built from specs
+    draw from it), so the training that follows starts exactly as it would without the profile."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        inputs, labels = first_micro_batch(training_data, collate_fn, _micro_batch_size(pipeline, dp), device)
+        loss_fn = module.loss_fn
+        if loss_fn is not None:
+            def loss(out):
+                return loss_fn(out, labels)
+        else:
+            def loss(out):
+                return out if out.dim() == 0 else out.float().mean()
+        layers = profile_layers(layer_factories(module, device), inputs, device, loss)
+    return Profile(tuple(layers), micro_batch_size=_micro_batch_size(pipeline, dp), device=str(device),
+                   optimizer_state_bytes_per_param=optimizer_bytes)
+
+
+def layer_factories(module, device) -> list:
+    """(name, build) per layer of the PipelineModule: a LayerSpec is built on demand, a tied module once."""
+    from functools import partial
+
+    from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
+    from torch import nn
+    tied: dict = {}
+    out = []
+    for idx, spec in enumerate(module._layer_specs):
+        if isinstance(spec, TiedLayerSpec):
+            def build(spec=spec):
+                if spec.key not in tied:
+                    tied[spec.key] = spec.build().to(device)
+                shared = tied[spec.key]
+                return shared if spec.forward_fn is None else partial(spec.forward_fn, shared)
+            name = f"{idx}:{spec.typename.__name__}[{spec.key}]"
+        elif isinstance(spec, LayerSpec):
+            def build(spec=spec):
+                return spec.build().to(device)
+            name = f"{idx}:{spec.typename.__name__}"
+        elif isinstance(spec, nn.Module):
+            def build(spec=spec):
+                return spec.to(device)
+            name = f"{idx}:{type(spec).__name__}"
+        else:
+            def build(spec=spec):
+                return spec
+            name = f"{idx}:{getattr(spec, '__name__', type(spec).__name__)}"
+        out.append((name, build))
+    return out
+
+
+def first_micro_batch(training_data, collate_fn, micro_batch_size: int, device) -> tuple:
+    """(inputs, labels) of the first micro-batch, as DeepSpeed's loader would batch it, on ``device``."""
+    loader = torch.utils.data.DataLoader(training_data, batch_size=micro_batch_size, collate_fn=collate_fn)
+    batch = next(iter(loader))
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ValueError("schedule auto: a pipeline's training_data yields (inputs, labels) pairs; its first batch "
+                         f"is a {type(batch).__name__}")
+    return _to(batch[0], device), _to(batch[1], device)
+
+
+def _to(value, device):
+    if torch.is_tensor(value):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def _micro_batch_size(pipeline, dp: int) -> int:
+    batch = pipeline.batch
+    if batch.micro_batch_size is not None:
+        return batch.micro_batch_size
+    if batch.train_batch_size is not None:
+        return max(1, batch.train_batch_size // (batch.micro_batches(dp) * dp))
+    return 1
+
+
+def _checkpoint_interval(module, pipeline) -> int:
+    if pipeline.activation_checkpoint_interval is not None:
+        return pipeline.activation_checkpoint_interval
+    return int(module.activation_checkpoint_interval or 0)
+
+
+def _optimizer_state_bytes(config: dict, optimizer=None) -> int:
+    """Optimizer state bytes per parameter: of the optimizer instance passed, else of the config's optimizer,
+    else Adam's 8 (a callable building one is not known until it runs)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if isinstance(optimizer, torch.optim.SGD):
+            return 4 if any(group.get("momentum") for group in optimizer.param_groups) else 0
+        return OPTIMIZER_STATE_BYTES.get(type(optimizer).__name__.lower(), 8)
+    section = config.get("optimizer") or {}
+    name = str(section.get("type", "adam")).lower()
+    if name == "sgd":
+        return 4 if (section.get("params") or {}).get("momentum") else 0
+    return OPTIMIZER_STATE_BYTES.get(name, 8)
+
+
+def _memory_budget(options: dict, device, dist) -> float | None:
+    """Bytes a rank may use: ``memory_limit_gb``, else the least free memory of any rank's device."""
+    if options.get("memory_limit_gb") is not None:
+        return float(options["memory_limit_gb"]) * GIB
+    free = torch.tensor([_free_bytes(device)], dtype=torch.float64, device=device)
+    dist.all_reduce(free, op=dist.ReduceOp.MIN)
+    return float(free.item())
+
+
+def _free_bytes(device) -> float:
+    """The device's free memory; on CPU, the host's available memory shared by the ranks on it."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as fh:
+            available = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return float("inf")
+    return available / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

@@ -1,0 +1,165 @@
+"""What a message between pipeline neighbours and a data-parallel all-reduce cost on this job's ranks.
+
+Measured with torch.distributed on the job's own process groups (gloo on CPU, NCCL on GPU):
+
+- point-to-point, between the global ranks of stages 0 and 1: the one-way time of a small
+  message (half a ping-pong, or to a receiver that has waited, whichever is longer; median),
+  the bandwidth from a ping-pong of ``big_bytes``, and the
+  sender's and receiver's own host time per message (posting a send; taking a message that has
+  arrived), which the runtime pays per message and the simulator prices as ``send``/``recv``;
+- the all-reduce over the data-parallel group (when it has more than one member, else over
+  those two ranks: Chimera's replicas sync in pairs), small and big.
+
+Every rank of the world must call :func:`measure_links`; the result is the same on every rank.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .profile import Links
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _ping_pong(dist, me, peer, first: bool, tensor, rounds: int, device) -> float:
+    """Median one-way time of ``tensor`` between ``me`` and ``peer`` (half a round trip)."""
+    times = []
+    for _ in range(rounds):
+        _sync(device)
+        start = time.perf_counter()
+        if first:
+            dist.send(tensor, peer)
+            dist.recv(tensor, peer)
+        else:
+            dist.recv(tensor, peer)
+            dist.send(tensor, peer)
+        _sync(device)
+        times.append((time.perf_counter() - start) / 2)
+    return statistics.median(times)
+
+
+def _host_costs(dist, first: bool, peer, device, rounds: int) -> tuple:
+    """(sender's time to post one isend, receiver's time to take one arrived message)."""
+    small = torch.zeros(16, device=device)
+    posts, takes = [], []
+    for _ in range(rounds):
+        if first:
+            start = time.perf_counter()
+            work = dist.isend(small, peer)
+            posts.append(time.perf_counter() - start)
+            work.wait()
+        else:
+            time.sleep(0.001)      # the message has arrived by now; take it
+            start = time.perf_counter()
+            dist.recv(small, peer)
+            takes.append(time.perf_counter() - start)
+    return (statistics.median(posts) if posts else 0.0), (statistics.median(takes) if takes else 0.0)
+
+
+def _waiting_latency(dist, first: bool, peer, device, idle_s: float, rounds: int) -> float:
+    """Median one-way time to a receiver that has been blocked ``idle_s`` (the pipeline's critical path runs
+    through ranks waiting for their input, and a thread that has slept wakes more slowly than one in a
+    ping-pong loop). The sender stamps the message with its clock (one clock on a host; across hosts the
+    figure is half a round trip after the wait instead)."""
+    stamp = torch.zeros(1, dtype=torch.float64, device=device)
+    delays = []
+    for _ in range(rounds):
+        if first:
+            time.sleep(idle_s)
+            _sync(device)
+            stamp[0] = time.perf_counter()
+            dist.send(stamp, peer)
+        else:
+            dist.recv(stamp, peer)
+            _sync(device)
+            delays.append(time.perf_counter() - float(stamp[0]))
+    return statistics.median(delays) if delays else 0.0
+
+
+def _bandwidth(nbytes: int, big_s: float, small_s: float) -> float:
+    """Bytes per second from the times of a big and a small transfer; 0 (sizes not priced) where the big one
+    is not measurably slower (under 5% more): a difference in the noise would give any bandwidth at all."""
+    extra = big_s - small_s
+    return nbytes / extra if extra > 0.05 * small_s else 0.0
+
+
+def measure_links(dist, first_rank: int, second_rank: int, data_group, device, big_bytes: int = 1 << 20,
+                  rounds: int = 30, idle_s: float = 0.005, same_host: bool = True, reduce_bytes: int = 1 << 20,
+                  pipe_group=None) -> Links:
+    """Links measured between global ranks ``first_rank`` and ``second_rank``; the all-reduce over
+    ``data_group`` where it has several members, else over those two ranks (Chimera's stage replicas
+    sync over such pairs). Every rank calls it; the result is the same on every rank.
+
+    ``idle_s``: how long a receiver waits for its input in a step (a stage's forward): the latency
+    priced is the one to such a waiting rank where both ranks share a host (``same_host``).
+    ``big_bytes`` (a message) and ``reduce_bytes`` (a stage's gradients) size the bandwidth probes.
+    ``pipe_group`` (the pipeline ranks of a data-parallel copy, more than two): the all-reduce over it too,
+    for schedules whose stages have more than two replicas (Chimera with several pipelines)."""
+    me = dist.get_rank()
+    values = torch.zeros(8, dtype=torch.float64, device=device)
+    big = max(4, int(big_bytes) // 4)
+    reduce_numel = max(4, int(reduce_bytes) // 4)
+    pair = dist.new_group(sorted({first_rank, second_rank}))     # collective: every rank, in one order
+    dist.barrier()
+    if me in (first_rank, second_rank) and first_rank != second_rank:
+        first = me == first_rank
+        peer = second_rank if first else first_rank
+        small = torch.zeros(16, device=device)
+        _ping_pong(dist, me, peer, first, small, 5, device)            # warm-up: connections, buffers
+        latency = _ping_pong(dist, me, peer, first, small, rounds, device)
+        large = torch.zeros(big, device=device)
+        big_s = _ping_pong(dist, me, peer, first, large, max(5, rounds // 3), device)
+        send_s, recv_s = _host_costs(dist, first, peer, device, rounds)
+        waiting = _waiting_latency(dist, first, peer, device, idle_s, max(5, rounds // 2)) if same_host else 0.0
+        if first:
+            values[1] = _bandwidth(big * 4, big_s, latency)
+            values[2] = send_s
+        else:
+            values[0] = max(latency, waiting)
+            values[3] = recv_s
+    dist.barrier()
+    dp = dist.get_world_size(data_group) if data_group is not None else 1
+    narrow = data_group if dp > 1 else pair
+    if dist.get_world_size(narrow) > 1 and (dp > 1 or me in (first_rank, second_rank)):
+        lat, bw = _allreduce_times(dist, narrow, reduce_numel, rounds, device)
+        if me == first_rank:
+            values[4], values[5] = lat, _bandwidth(reduce_numel * 4, bw, lat)
+    dist.barrier()
+    if pipe_group is not None and dist.get_world_size(pipe_group) > 2 and \
+            dist.get_rank(pipe_group) >= 0 and dp == 1:
+        lat, bw = _allreduce_times(dist, pipe_group, reduce_numel, rounds, device)
+        if me == first_rank:
+            values[6], values[7] = lat, _bandwidth(reduce_numel * 4, bw, lat)
+    dist.barrier()
+    dist.all_reduce(values)            # each figure was written by one rank, zeros elsewhere
+    dist.destroy_process_group(pair)
+    v = [float(x) for x in values.cpu()]
+    return Links(p2p_latency_s=v[0], p2p_bytes_per_s=v[1], send_s=v[2], recv_s=v[3], allreduce_latency_s=v[4],
+                 allreduce_bytes_per_s=v[5], wide_allreduce_latency_s=v[6] or v[4],
+                 wide_allreduce_bytes_per_s=v[7] if v[6] else v[5])
+
+
+def _allreduce_times(dist, group, numel: int, rounds: int, device) -> tuple:
+    """(median seconds of a small all-reduce over ``group``, of one of ``numel`` floats)."""
+    small = torch.zeros(16, device=device)
+    large = torch.zeros(numel, device=device)
+    for _ in range(3):
+        dist.all_reduce(small, group=group)
+    return _timed(dist, small, group, rounds, device), _timed(dist, large, group, max(5, rounds // 3), device)
+
+
+def _timed(dist, tensor, group, rounds: int, device) -> float:
+    times = []
+    for _ in range(rounds):
+        _sync(device)
+        start = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

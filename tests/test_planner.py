@@ -1,0 +1,251 @@
+"""The planner (issue 32): cuts, memory, the search's choice against an exhaustive sweep, the profile, the CLI."""
+import itertools
+import json
+import random
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from ds_chimera import cli
+from ds_chimera.config import PipelineConfig
+from ds_chimera.planner import Budget, LayerCost, Links, Profile, Setting, plan, profile_sequential
+from ds_chimera.planner.cuts import balanced_cut, cut, stage_costs, stage_sums
+from ds_chimera.planner.memory import GIB, state_bytes_per_param
+from ds_chimera.schedules import build
+from ds_chimera.schedules.chimera import peak_activations
+from ds_chimera.sim import Costs, simulate
+
+
+def random_profile(rng, layers):
+    out = []
+    for i in range(layers):
+        f = rng.choice([0.5, 1.0, 2.0, 3.0]) * 1e-3
+        params = rng.choice([0, 1000, 5000, 20000])
+        out.append(LayerCost(f"l{i}", f, 2 * f, f if params else 0.0, rng.choice([1000, 4000, 30000]),
+                             rng.choice([500, 2000]), 4 * params, params))
+    return Profile(tuple(out), Links(p2p_latency_s=rng.choice([0.0, 1e-4])))
+
+
+def test_balanced_cut_is_the_best_contiguous_cut():
+    rng = random.Random(3)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        parts = rng.randint(1, n)
+        weights = [rng.choice([0.0, 0.5, 1.0, 2.0, 3.0, rng.random()]) for _ in range(n)]
+        bounds = balanced_cut(weights, parts)
+        assert bounds[0] == 0 and bounds[-1] == n and len(bounds) == parts + 1
+        assert all(a < b for a, b in zip(bounds, bounds[1:]))
+        worst = max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+        best = min(max(sum(weights[a:b]) for a, b in zip((0, *c), (*c, n)))
+                   for c in itertools.combinations(range(1, n), parts - 1))
+        assert worst == pytest.approx(best)
+
+
+def test_deepspeed_cuts_are_deepspeeds():
+    from deepspeed.runtime import utils as ds_utils
+    layers = random_profile(random.Random(1), 10).layers
+    assert cut(layers, 4, "uniform") == list(ds_utils.partition_uniform(10, 4))
+    assert cut(layers, 4, "parameters") == list(ds_utils.partition_balanced([x.params for x in layers], 4))
+    with pytest.raises(ValueError, match="cut method must be one of time, parameters, uniform; got 'size'"):
+        cut(layers, 4, "size")
+
+
+def test_stage_costs_add_the_layers_and_checkpointing_recomputes():
+    layers = random_profile(random.Random(2), 6).layers
+    sc = stage_costs(layers, [0, 2, 6])
+    assert sc.fwd[1] == pytest.approx(sum(x.fwd for x in layers[2:6]))
+    assert sc.activations[0] == sum(x.activation_bytes for x in layers[:2])
+    ckpt = stage_costs(layers, [0, 2, 6], checkpoint_interval=6)
+    if any(x.params for x in layers[2:6]):      # one checkpointed block: its input kept, its forward recomputed
+        assert ckpt.activations[1] == layers[1].output_bytes
+        assert ckpt.bwd[1] == pytest.approx(sc.bwd[1] + sc.fwd[1])
+
+
+def _independent_memory(cand, profile, setting):
+    """Each rank's model states and the simulator's activation peak, computed apart from the planner."""
+    schedule = build(cand.schedule, setting.stages, setting.micro_batches, **cand.options)
+    sc = stage_costs(list(profile.layers), cand.parts, setting.checkpoint_interval)
+    result = simulate(schedule.lower(), Costs(), stage_costs=sc)
+    params = stage_sums(list(profile.layers), cand.parts, "params")
+    per_param = state_bytes_per_param(setting.precision, setting.zero, setting.data_parallel,
+                                      profile.optimizer_state_bytes_per_param)
+    states = [per_param * sum(params[schedule.placement.chunks[c].stage] for c in schedule.placement.chunks_on(r))
+              for r in range(setting.stages)]
+    return states, result.peak_activations, peak_activations(schedule.orders)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_fits_the_budget_and_equals_the_exhaustive_sweep(seed):
+    """Property test on random layer costs and budgets: the choice fits (checked with the simulator's own
+    activation peak), pruning never changes it, and "nothing fits" is true of the exhaustive sweep too."""
+    rng = random.Random(seed)
+    d = rng.choice([2, 4])
+    n = rng.choice([d, 2 * d, 4 * d])
+    profile = random_profile(rng, rng.randint(2 * d, 3 * d + 2))
+    setting = Setting(stages=d, micro_batches=n, zero=rng.choice([0, 1]), precision=rng.choice(["fp32", "bf16"]))
+    loose = plan(profile, setting, exhaustive=True)
+    fitting = [c.peak_bytes for c in loose.candidates if c.step_s is not None]
+    limit = rng.uniform(min(fitting) * 0.8, max(fitting))
+    budget = Budget(memory_bytes=limit, max_activations=rng.choice([None, float(min(n, d)), float(2 * d)]))
+    pruned = plan(profile, setting, budget)
+    swept = plan(profile, setting, budget, exhaustive=True)
+    assert swept.simulated >= pruned.simulated
+    if swept.chosen is None:
+        assert pruned.chosen is None
+        with pytest.raises(ValueError, match="no schedule fits the memory budget"):
+            pruned.pipeline_section()
+        return
+    assert pruned.chosen.step_s == pytest.approx(swept.chosen.step_s)
+    for result in (pruned, swept):
+        cand = result.chosen
+        states, sim_acts, micro_batches = _independent_memory(cand, profile, setting)
+        assert [m.activations for m in cand.memory] == pytest.approx(sim_acts)
+        assert all(s + a <= limit for s, a in zip(states, sim_acts))
+        assert cand.peak_bytes <= limit
+        if budget.max_activations is not None:
+            assert micro_batches <= budget.max_activations
+    # every candidate the sweep timed and kept is no faster than the choice
+    assert all(c.step_s >= swept.chosen.step_s - 1e-12 for c in swept.candidates
+               if c.step_s is not None and not c.excluded)
+
+
+def test_plan_prefers_balanced_time_over_parameter_counts():
+    # a parameter-free but slow layer: DeepSpeed's parameter cut piles time onto one stage
+    heavy = [LayerCost("slow", 8e-3, 16e-3, 0.0, 1000, 1000, 0, 0)]
+    light = [LayerCost(f"l{i}", 1e-3, 2e-3, 1e-3, 1000, 1000, 4000, 1000) for i in range(7)]
+    profile = Profile(tuple(heavy + light))
+    result = plan(profile, Setting(stages=2, micro_batches=8), only=("1f1b",), exhaustive=True)
+    by_cut = {c.cut: c.step_s for c in result.candidates if c.step_s is not None}
+    assert result.chosen.cut == "time"
+    assert by_cut["time"] < 0.8 * by_cut["parameters"]
+
+
+def test_asynchronous_schedules_only_when_allowed():
+    profile = random_profile(random.Random(5), 8)
+    closed = plan(profile, Setting(stages=4, micro_batches=8))
+    assert all(c.schedule not in ("pipedream", "pipeoptim") or "allow_asynchronous" in c.excluded
+               for c in closed.candidates)
+    opened = plan(profile, Setting(stages=4, micro_batches=8, allow_asynchronous=True), exhaustive=True)
+    assert any(c.schedule == "pipeoptim" and c.step_s is not None for c in opened.candidates)
+
+
+def test_nothing_fits_names_the_budget_and_what_to_change():
+    profile = random_profile(random.Random(6), 8)
+    result = plan(profile, Setting(stages=4, micro_batches=8), Budget(memory_bytes=1000))
+    assert result.chosen is None
+    assert "no schedule fits the memory budget (9.31e-07 GiB per rank) for D=4, N=8" in result.why_nothing()
+    assert "raise the budget" in result.report()
+
+
+# ---- the profile ----------------------------------------------------------------------------------
+
+def _hold(seconds):
+    """Take ``seconds`` of wall time: sleep most of it, then yield until the deadline (a plain sleep
+    overshoots by its wake-up latency, which grows with the host's load)."""
+    deadline = time.perf_counter() + seconds
+    if seconds > 0.002:
+        time.sleep(seconds - 0.002)
+    while time.perf_counter() < deadline:
+        time.sleep(0)
+
+
+class _Hold(torch.autograd.Function):
+    """Identity whose backward takes ``seconds`` (the input-grad or the weight-grad path)."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _hold(ctx.seconds)
+        return grad, None
+
+
+class SleepingLayer(nn.Module):
+    """Forward sleeps F; backward sleeps I on the input path and W on the weight path."""
+
+    def __init__(self, fwd, igrad, wgrad):
+        super().__init__()
+        self.fwd, self.igrad, self.wgrad = fwd, igrad, wgrad
+        self.weight = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        _hold(self.fwd)
+        return _Hold.apply(x, self.igrad) * _Hold.apply(self.weight, self.wgrad)
+
+
+def test_profile_times_match_the_layers_set_costs():
+    set_costs = [(0.010, 0.020, 0.010), (0.020, 0.015, 0.025), (0.030, 0.030, 0.030)]
+    layers = [SleepingLayer(*c) for c in set_costs]
+    x = torch.randn(2, 8, requires_grad=True)
+    profile = profile_sequential(layers, x, loss=lambda out: out.sum())
+    for measured, (f, i, w) in zip(profile.layers, set_costs):
+        assert measured.fwd == pytest.approx(f, rel=0.10)
+        assert measured.bwd == pytest.approx(i + w, rel=0.10)
+        assert measured.wgrad == pytest.approx(w, rel=0.10)
+
+
+def test_profile_counts_saved_output_and_parameter_bytes():
+    layer = nn.Linear(8, 64)
+    profile = profile_sequential([layer, nn.Tanh()], torch.randn(2, 8, requires_grad=True),
+                                 loss=lambda out: out.sum())
+    linear, tanh = profile.layers
+    assert linear.params == 8 * 64 + 64 and linear.param_bytes == 4 * linear.params
+    assert linear.activation_bytes == 2 * 8 * 4          # its input (the weight is a parameter, not counted)
+    assert linear.output_bytes == 2 * 64 * 4
+    assert tanh.activation_bytes == 2 * 64 * 4 and tanh.params == 0 and tanh.wgrad == 0.0
+    again = Profile.from_json(json.loads(json.dumps(profile.to_json())))
+    assert again == profile
+
+
+# ---- where users reach it ------------------------------------------------------------------------
+
+def test_cli_plan_writes_a_section_that_parses_and_runs_the_choice(tmp_path, capsys):
+    profile = random_profile(random.Random(7), 10)
+    path = tmp_path / "profile.json"
+    profile.save(str(path))
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "--profile", str(path), "--stages", "4", "--micro-batches", "8",
+                     "--memory-limit-gb", "1", "--out", str(out), "--json"]) == 0
+    printed = capsys.readouterr().out
+    assert "chosen:" in printed
+    section = json.loads(out.read_text())["pipeline"]
+    expected = plan(profile, Setting(stages=4, micro_batches=8), Budget(memory_bytes=GIB)).pipeline_section()
+    assert section == expected == json.loads(printed.strip().splitlines()[-1])["pipeline"]
+    parsed = PipelineConfig.from_deepspeed({"train_batch_size": 8, "pipeline": section})
+    assert parsed.schedule == section["schedule"] and list(parsed.parts) == section["parts"]
+    parsed.build_schedule(4, 8)
+
+
+def test_cli_plan_refuses_bad_input(tmp_path, capsys):
+    assert cli.main(["plan", "--stages", "4", "--micro-batches", "8"]) == 2
+    assert "plan needs --profile FILE" in capsys.readouterr().err
+    bad = tmp_path / "p.json"
+    bad.write_text('{"layers": []}')
+    assert cli.main(["plan", "--profile", str(bad), "--stages", "4", "--micro-batches", "8"]) == 2
+    assert "not a ds_chimera profile (version 1)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"schedule": "auto", "memory_limit_gb": -1}, "memory_limit_gb must be a number of GiB > 0 per rank, got -1"),
+    ({"schedule": "auto", "max_activations": 0}, "max_activations must be a number of micro-batches >= 1"),
+    ({"schedule": "auto", "allow_asynchronous": "yes"}, "allow_asynchronous must be true or false, got 'yes'"),
+    ({"schedule": "auto", "chunks": 2}, "unknown key 'chunks'"),
+    ({"schedule": "1f1b", "parts": [1, 3]}, "parts must be the layer boundaries of the stages, increasing integers"),
+    ({"schedule": "1f1b", "parts": [0, 3], "partition_method": "uniform"}, 'takes "parts" (an explicit layer cut) or'),
+])
+def test_planner_keys_are_checked_before_any_work(section, message):
+    with pytest.raises(ValueError, match=None) as info:
+        PipelineConfig.from_deepspeed({"train_batch_size": 8, "pipeline": section})
+    assert message in str(info.value)
+
+
+def test_auto_is_refused_where_it_cannot_plan_yet():
+    with pytest.raises(ValueError, match="HF Trainer's path takes a schedule name"):
+        PipelineConfig.from_deepspeed({"train_batch_size": 8, "pipeline": {"schedule": "auto"}}, sharding=False)
+    with pytest.raises(ValueError, match='install: "auto" \\(the planner\\) runs from deepspeed.initialize'):
+        PipelineConfig.from_megatron("auto", {}, where="install")
