@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schedules.actions import BACKWARD, FORWARD, WEIGHT_GRAD
+from ..schedules.actions import activation_peaks
 
 GIB = 1024 ** 3
 
@@ -52,21 +52,6 @@ def state_bytes_per_param(precision: str, zero: int, data_parallel: int, optimiz
     return weight + grad + master
 
 
-def peak_activation_bytes(orders: list, chunk_stage: list, stage_bytes: list) -> list:
-    """Each rank's peak of saved activations, counted along its order."""
-    peaks = []
-    for order in orders:
-        live = peak = 0.0
-        for action in order:
-            if action.kind == FORWARD:
-                live += stage_bytes[chunk_stage[action.chunk]]
-                peak = max(peak, live)
-            elif action.kind in (BACKWARD, WEIGHT_GRAD):
-                live -= stage_bytes[chunk_stage[action.chunk]]
-        peaks.append(peak)
-    return peaks
-
-
 def rank_memory(schedule, program, stage_params: list, stage_act: list, stage_out: list, *, precision: str,
                 zero: int, data_parallel: int, optimizer_bytes: int) -> list:
     """RankMemory of every pipeline rank for ``schedule`` (its lowered ``program``) on a cut whose stages
@@ -74,7 +59,7 @@ def rank_memory(schedule, program, stage_params: list, stage_act: list, stage_ou
     placement = schedule.placement
     per_param = state_bytes_per_param(precision, zero, data_parallel, optimizer_bytes)
     chunk_stage = [c.stage for c in placement.chunks]
-    acts = peak_activation_bytes(schedule.orders, chunk_stage, stage_act)
+    acts = activation_peaks(schedule.orders, [stage_act[s] for s in chunk_stage])
     plain = placement.weights_per_rank()
     versions = program.weights or plain         # asynchronous schedules: weight versions beyond the placement's
     weight_bytes = 2.0 if precision == "bf16" else 4.0

@@ -70,6 +70,23 @@ def split_chunks(order) -> set:
     return {a.chunk for a in order if a.kind == INPUT_GRAD}
 
 
+def activation_peaks(orders: list, chunk_size=None) -> list:
+    """Each rank's peak of held activations, counted along its order: a forward adds its chunk's
+    ``chunk_size`` (default 1: micro-batches), a full backward or a weight-grad frees it. The count
+    does not depend on timing, so it is the simulator's and the runtime's."""
+    peaks = []
+    for order in orders:
+        live = peak = 0
+        for action in order:
+            if action.kind == Kind.FORWARD:
+                live += 1 if chunk_size is None else chunk_size[action.chunk]
+                peak = max(peak, live)
+            elif action.kind in (Kind.BACKWARD, Kind.WEIGHT_GRAD):
+                live -= 1 if chunk_size is None else chunk_size[action.chunk]
+        peaks.append(peak)
+    return peaks
+
+
 def _ints(values) -> str:
     return ",".join(str(int(v)) for v in values)
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..validation import check_choice, check_int, check_mapping
-from .actions import BACKWARD, FORWARD, WEIGHT_GRAD, Action
+from .actions import BACKWARD, FORWARD, Action, activation_peaks
 from .base import Schedule
 from .classic import one_f_one_b_orders
 from .costs import COST_NAMES, Costs
@@ -199,18 +199,8 @@ def _with_recomputation(costs: Costs, split: bool) -> Costs:
 
 
 def peak_activations(orders: list) -> int:
-    """The most micro-batches' activations any rank holds at once, counted along its order (a forward
-    adds one, a full backward or a weight-grad frees it): the same on every run, whatever the timing."""
-    peak = 0
-    for order in orders:
-        live = 0
-        for action in order:
-            if action.kind == FORWARD:
-                live += 1
-                peak = max(peak, live)
-            elif action.kind in (BACKWARD, WEIGHT_GRAD):
-                live -= 1
-    return peak
+    """The most micro-batches' activations any rank holds at once (see ``activation_peaks``)."""
+    return max(activation_peaks(orders), default=0)
 
 
 def _split_evenly(count: int, parts: int) -> list:
