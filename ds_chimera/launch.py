@@ -14,6 +14,14 @@ become 2N) and turns Wavelet's tick-tock data parallelism on for non-pipelined m
 ``--pipeline-schedule NAME`` is for Megatron launches: Megatron-Core's
 ``get_forward_backward_func()`` then returns ds_chimera's NAME schedule in every worker
 (see :mod:`ds_chimera.megatron.install`).
+
+Multi-node: with ``--torchrun`` run ``ds-chimera launch`` on every node (``--nnodes``,
+``--node_rank``, ``--master_addr``), so each node's workers get this environment directly.
+The deepspeed launcher with a hostfile starts the other nodes' processes through pdsh (ssh) or
+an MPI launcher, which pass on only the variables whose names start with one of its
+``EXPORT_ENVS`` prefixes (``PYTHON``: so ``PYTHONPATH``, and with it the ``sitecustomize``
+hook, gets there) and those listed in ``.deepspeed_env``; the runner is started here with the
+``DS_CHIMERA_`` variables (``--wavelet``, ``--pipeline-schedule``) added to that list.
 """
 from __future__ import annotations
 
@@ -58,6 +66,32 @@ def double_processes(argv: list) -> tuple:
         raise ValueError("ds-chimera launch --wavelet needs the number of devices per node: pass --num_gpus N "
                          "(deepspeed launcher) or --nproc_per_node N (with --torchrun); it starts 2N processes")
     return out, devices
+
+
+EXPORTED_PREFIX = "DS_CHIMERA"
+DEEPSPEED_RUNNER = "from ds_chimera.launch import deepspeed_runner; deepspeed_runner()"
+
+
+def deepspeed_runner() -> None:
+    """``python -m deepspeed.launcher.runner`` (arguments from ``sys.argv``), exporting every ``DS_CHIMERA_*``
+    variable to the nodes of a multi-node launch, as the runner itself does for ``PYTHON*``, ``NCCL*``, ..."""
+    import shlex
+
+    from deepspeed.launcher import multinode_runner, runner
+    runner.EXPORT_ENVS = [*runner.EXPORT_ENVS, EXPORTED_PREFIX]
+    add_export = multinode_runner.PDSHRunner.add_export
+
+    def add_export_for_a_shell(self, key, var):
+        # pdsh hands "export KEY=VALUE; ..." to each node's shell; DeepSpeed wraps a value with special
+        # characters in double quotes without escaping the ones inside, so JSON options would lose theirs
+        if key.strip().startswith(EXPORTED_PREFIX):
+            self.exports[key.strip()] = shlex.quote(var.strip())
+        else:
+            add_export(self, key, var)
+
+    multinode_runner.PDSHRunner.add_export = add_export_for_a_shell
+    sys.argv[0] = "deepspeed"          # its usage and error messages, instead of "-c"
+    runner.main()
 
 
 def _check_megatron_schedule(name: str, options) -> str | None:
@@ -116,5 +150,5 @@ def main(argv) -> int:
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", *argv]
     else:
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", *argv]
+        cmd = [sys.executable, "-c", DEEPSPEED_RUNNER, *argv]
     return subprocess.call(cmd, env=env)

@@ -6,12 +6,14 @@ thing (no schedule, another schedule, other data or hyperparameters) fails. Sync
 schedules all equal plain training; the asynchronous one equals the independent model of its
 method (distributed/async_reference.py), whose losses differ from plain training's.
 """
+import base64
 import copy
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -68,12 +70,12 @@ def pipeline_batches(step):
     return [(torch.randn(1, 4, generator=g), torch.randn(1, 4, generator=g)) for _ in range(MICRO_BATCHES)]
 
 
-def plain_training_losses():
+def plain_training_losses(layers=None, steps=STEPS):
     """Every synchronous schedule: plain SGD on the mean loss of each call's micro-batches."""
-    model = torch.nn.Sequential(*pipeline_layers())
+    model = torch.nn.Sequential(*(layers or pipeline_layers()))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         opt.zero_grad()
         batches = pipeline_batches(step)
         loss = sum(torch.nn.functional.mse_loss(model(x), y) for x, y in batches) / len(batches)
@@ -170,3 +172,115 @@ def test_launch_wavelet_needs_the_device_count():
     assert double_processes(["--nproc_per_node=3", "x.py"]) == (["--nproc_per_node=6", "x.py"], 3)
     proc = run("-m", "ds_chimera.cli", "launch", "--wavelet", "--torchrun", DP_SCRIPT)
     assert proc.returncode == 2 and "needs the number of devices per node" in proc.stderr
+
+
+MULTINODE_SCRIPT = os.path.join(HERE, "distributed", "multinode_script.py")
+
+
+def start_launch(*args):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "ds_chimera.cli", "launch", "--torchrun", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def finish(procs, timeout=300):
+    """Wait for every launch; after ``timeout`` s in all, kill them (a node group left alone waits for its peer)."""
+    out, deadline = [], time.monotonic() + timeout
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            out.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return out
+
+
+def eight_layer_losses(steps=3):
+    """multinode_script.py's training on one process: 8 Linear(4, 4) seeded base_seed + index, plain SGD."""
+    layers = []
+    for idx in range(8):
+        torch.manual_seed(BASE_SEED + idx)
+        layers.append(torch.nn.Linear(4, 4))
+    return plain_training_losses(layers, steps)
+
+
+def test_two_node_groups_train_exactly_as_one():
+    """`ds-chimera launch --torchrun --nnodes 2 --node_rank R` (static rendezvous on node 0's address), two
+    groups of 2 processes on this machine, trains a 4-stage Chimera pipeline bit for bit as one group of 4."""
+    port = free_port()
+    nodes = [start_launch("--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2", "--master_addr",
+                          "127.0.0.1", "--master_port", str(port), MULTINODE_SCRIPT, "chimera") for node in (0, 1)]
+    single = start_launch("--nnodes", "1", "--nproc_per_node", "4", "--master_port", str(free_port()),
+                          MULTINODE_SCRIPT, "chimera")
+    node0, node1, one = finish(nodes + [single])
+    groups = [reports(node0), reports(node1)]
+    for node, ranks in enumerate(groups):       # each node group ran ranks 2R, 2R+1 of one world of 4
+        assert sorted((r["RANK"], r["LOCAL_RANK"], r["GROUP_RANK"], r["WORLD_SIZE"]) for r in ranks) == \
+            [(2 * node + i, i, node, 4) for i in range(2)], ranks
+    by_rank = {r["RANK"]: r for r in groups[0] + groups[1]}
+    ref = {r["RANK"]: r for r in reports(one)}
+    assert sorted(ref) == sorted(by_rank) == [0, 1, 2, 3], (sorted(ref), sorted(by_rank))
+    want = eight_layer_losses()
+    for rank in range(4):
+        got, base = by_rank[rank], ref[rank]
+        # the schedule switch reached both node groups' workers (the sitecustomize hook)
+        assert got["ENGINE"] == base["ENGINE"] == "ScheduledPipelineEngine", (got["ENGINE"], base["ENGINE"])
+        assert got["SCHEDULE"] == base["SCHEDULE"] == "chimera"
+        assert got["LOSSES"] == base["LOSSES"], (rank, got["LOSSES"], base["LOSSES"])       # exact: float hex
+        assert len(got["WEIGHTS"]) == 80 and got["WEIGHTS"] == base["WEIGHTS"], rank       # 2 chunks x 2 Linear(4, 4)
+        losses = [float.fromhex(v) for v in got["LOSSES"]]
+        assert len(losses) == 3 and all(abs(a - b) <= 1e-6 * abs(b) + 1e-7 for a, b in zip(losses, want)), \
+            (losses, want)
+
+
+FAKE_PDSH = """#!{python}
+# stands in for pdsh: records the command it was given for the nodes, runs nothing
+import json, os, sys
+with open(os.environ["FAKE_PDSH_OUT"], "w") as fh:
+    json.dump(sys.argv[1:], fh)
+"""
+
+
+def test_deepspeed_launcher_exports_ds_chimera_settings_to_every_node(tmp_path):
+    """With a hostfile the deepspeed launcher starts each node's processes through pdsh (ssh), and a node
+    gets only the variables the runner exports. A fake pdsh records the command; its exports, run by a
+    shell in an empty environment as on a node reached by ssh, must carry the sitecustomize hook
+    (PYTHONPATH) and the settings of --wavelet and --pipeline-schedule, JSON options intact."""
+    from ds_chimera.launch import AUTOLOAD
+    pdsh = tmp_path / "bin" / "pdsh"
+    pdsh.parent.mkdir()
+    pdsh.write_text(FAKE_PDSH.format(python=sys.executable))
+    pdsh.chmod(0o755)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=2\nnode-b slots=2\n")
+    record = tmp_path / "pdsh.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DS_CHIMERA")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", FAKE_PDSH_OUT=str(record),
+               PATH=f"{pdsh.parent}{os.pathsep}{os.environ['PATH']}")
+    options = '{"chunks": 2}'
+    proc = subprocess.run([sys.executable, "-m", "ds_chimera.cli", "launch", "--wavelet", "--pipeline-schedule",
+                           "interleaved", "--pipeline-schedule-options", options, "--hostfile", str(hostfile),
+                           "--no_ssh_check", "--master_addr", "127.0.0.1", "--num_gpus", "1", DP_SCRIPT],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    argv = json.loads(record.read_text())
+    assert argv[:5] == ["-S", "-f", "1024", "-w", "node-a,node-b"], argv[:5]
+    exports = argv[5]             # "export KEY=VALUE; ..." then the node's command
+    assert "--node_rank=%n" in argv and argv[-1] == DP_SCRIPT, argv
+    # --wavelet doubled the processes on each node of the hostfile
+    world = next(a for a in argv if a.startswith("--world_info="))
+    assert json.loads(base64.urlsafe_b64decode(world.split("=", 1)[1])) == {"node-a": [0, 1], "node-b": [0, 1]}
+    probe = ("import json, os, sys; print(json.dumps({'hook': 'ds_chimera' in sys.modules, "
+             "'env': {k: v for k, v in os.environ.items() if k.startswith('DS_CHIMERA')}}))")
+    node = subprocess.run(["env", "-i", "/bin/sh", "-c", f"{exports} {sys.executable} -c \"{probe}\""],
+                          capture_output=True, text=True, timeout=120)
+    assert node.returncode == 0, node.stderr[-3000:]
+    seen = json.loads(node.stdout.strip().splitlines()[-1])
+    assert seen["hook"], (exports, node.stderr[-2000:])          # PYTHONPATH reached it, with the hook
+    assert seen["env"] == {"DS_CHIMERA_WAVELET": "1", "DS_CHIMERA_DEVICES_PER_NODE": "1",
+                           "DS_CHIMERA_PIPELINE_SCHEDULE": "interleaved",
+                           "DS_CHIMERA_PIPELINE_OPTIONS": options}, exports
+    assert AUTOLOAD in exports
