@@ -64,7 +64,7 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
     stage_fwd = sum(layer.fwd for layer in profile.layers) / max(1, stages)
     links = measure_links(dist, first, second, grid.get_data_parallel_group(), device, big_bytes=big, reduce_bytes=grads,
                           idle_s=min(max(stage_fwd, 1e-3), 0.05),
-                          same_host=int(os.environ.get("LOCAL_WORLD_SIZE", "1")) >= 2,
+                          same_host=_local_ranks() >= 2,
                           pipe_group=grid.get_pipe_parallel_group() if dp == 1 else None)
     profile = Profile(profile.layers, links, profile.micro_batch_size, profile.device,
                       profile.optimizer_state_bytes_per_param, profile.meta)
@@ -210,4 +210,9 @@ def _free_bytes(device) -> float:
             available = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         return float("inf")
-    return available / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return available / _local_ranks()
+
+
+def _local_ranks() -> int:
+    """Ranks on this host: torchrun's LOCAL_WORLD_SIZE, or the DeepSpeed launcher's LOCAL_SIZE."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1"))))

@@ -102,7 +102,7 @@ def measure_links(dist, first_rank: int, second_rank: int, data_group, device, b
     ``pipe_group`` (the pipeline ranks of a data-parallel copy, more than two): the all-reduce over it too,
     for schedules whose stages have more than two replicas (Chimera with several pipelines)."""
     me = dist.get_rank()
-    values = torch.zeros(8, dtype=torch.float64, device=device)
+    values = torch.zeros(9, dtype=torch.float64, device=device)
     big = max(4, int(big_bytes) // 4)
     reduce_numel = max(4, int(reduce_bytes) // 4)
     pair = dist.new_group(sorted({first_rank, second_rank}))     # collective: every rank, in one order
@@ -128,8 +128,9 @@ def measure_links(dist, first_rank: int, second_rank: int, data_group, device, b
     narrow = data_group if dp > 1 else pair
     if dist.get_world_size(narrow) > 1 and (dp > 1 or me in (first_rank, second_rank)):
         lat, bw = _allreduce_times(dist, narrow, reduce_numel, rounds, device)
+        post = _sync_post_time(dist, narrow, reduce_numel, max(5, rounds // 3), device)
         if me == first_rank:
-            values[4], values[5] = lat, _bandwidth(reduce_numel * 4, bw, lat)
+            values[4], values[5], values[8] = lat, _bandwidth(reduce_numel * 4, bw, lat), post
     dist.barrier()
     if pipe_group is not None and dist.get_world_size(pipe_group) > 2 and \
             dist.get_rank(pipe_group) >= 0 and dp == 1:
@@ -142,7 +143,23 @@ def measure_links(dist, first_rank: int, second_rank: int, data_group, device, b
     v = [float(x) for x in values.cpu()]
     return Links(p2p_latency_s=v[0], p2p_bytes_per_s=v[1], send_s=v[2], recv_s=v[3], allreduce_latency_s=v[4],
                  allreduce_bytes_per_s=v[5], wide_allreduce_latency_s=v[6] or v[4],
-                 wide_allreduce_bytes_per_s=v[7] if v[6] else v[5])
+                 wide_allreduce_bytes_per_s=v[7] if v[6] else v[5], sync_post_s=v[8])
+
+
+def _sync_post_time(dist, group, numel: int, rounds: int, device) -> float:
+    """Median host time to post one stage's gradient sync: flatten its gradients (one copy) and post the
+    all-reduce without waiting, as the runtime does; the rank computes nothing meanwhile."""
+    grads = [torch.zeros(numel // 2, device=device), torch.zeros(numel - numel // 2, device=device)]
+    times = []
+    for _ in range(rounds):
+        dist.barrier(group=group)
+        _sync(device)
+        start = time.perf_counter()
+        work = dist.all_reduce(torch.cat(grads), group=group, async_op=True)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        work.wait()
+    return statistics.median(times)
 
 
 def _allreduce_times(dist, group, numel: int, rounds: int, device) -> tuple:

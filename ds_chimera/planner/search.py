@@ -185,7 +185,8 @@ def _costs(profile: Profile, parts: list, setting: Setting, placement) -> Costs:
     mean_grad = sum(grads) / len(grads)
     members = max(len(placement.stage_group(s)) for s in range(placement.num_stages)) * setting.data_parallel
     return Costs(fwd=1.0, bwd=1.0, wgrad=0.0, comm=links.message_s(mean_out),
-                 allreduce=links.allreduce_s(mean_grad, members), send=links.send_s, recv=links.recv_s)
+                 allreduce=links.allreduce_s(mean_grad, members), send=links.send_s, recv=links.recv_s,
+                 sync_post=links.sync_post_s if members > 1 else 0.0)
 
 
 def _compute_bound(placement, stage_time: list) -> float:
