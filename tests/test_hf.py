@@ -341,3 +341,133 @@ def test_describe_maps_layers_to_hf_names():
     assert layout.layers[2].hf_name("block.self_attn.q_proj.weight") == "model.layers.1.self_attn.q_proj.weight"
     assert layout.layers[-1].hf_name("proj.weight") == "lm_head.weight"
     assert describe(gpt2()).layers[0].hf_name("positions.weight") == "transformer.wpe.weight"
+
+
+# ---- an unsupported model family is refused before the script's data work ------------------------
+
+def bart_config():
+    return transformers.BartConfig(vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1,
+                                   encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=16,
+                                   decoder_ffn_dim=16, max_position_embeddings=32, pad_token_id=1, bos_token_id=0,
+                                   eos_token_id=0, decoder_start_token_id=0)
+
+
+def pipeline_args(tmp_path):
+    from transformers import TrainingArguments
+
+    import ds_chimera  # noqa: F401  (the hooks)
+    return TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none",
+                             deepspeed={"pipeline": {"schedule": "1f1b"}})
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    import gc
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("DS_CHIMERA_EARLY_MODEL_CHECK", raising=False)
+    gc.collect()          # pipeline arguments of an earlier test (kept by a traceback's cycle) are gone
+    yield
+    gc.collect()
+
+
+def test_an_unsupported_family_is_refused_before_the_run_clm_script_tokenizes(tmp_path, one_process):
+    """The run_clm-shaped script parses its arguments, builds the model, then tokenizes: BART stops at the model."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed"))
+    import hf_clm
+    from hf_assets import make_assets
+
+    import ds_chimera  # noqa: F401  (the explicit path: imported before the arguments are built)
+    assets = make_assets(str(tmp_path / "assets"))
+    bart_config().save_pretrained(tmp_path / "bart")
+    with open(tmp_path / "ds.json", "w") as fh:
+        fh.write('{"pipeline": {"schedule": "1f1b"}}')
+    argv = ["--config_name", str(tmp_path / "bart"), "--tokenizer_name", os.path.join(assets, "tokenizer"),
+            "--train_file", os.path.join(assets, "train.txt"), "--output_dir", str(tmp_path / "out"),
+            "--deepspeed", str(tmp_path / "ds.json"), "--report_to", "none", "--do_train", "--max_steps", "1"]
+    tokenized, blocks = [], hf_clm.blocks
+    verbosity = transformers.utils.logging.get_verbosity()
+    try:
+        hf_clm.blocks = lambda *a: tokenized.append(1) or blocks(*a)
+        with pytest.raises(ValueError) as refused:
+            hf_clm.main(argv)
+    finally:
+        hf_clm.blocks = blocks
+        transformers.utils.logging.set_verbosity(verbosity)
+    assert not tokenized
+    message = str(refused.value)
+    assert "cannot convert BartForCausalLM: encoder-decoder / cross-attention models (model type 'bart')" in message
+    assert "supported: GPT2LMHeadModel, LlamaForCausalLM, causal LMs whose config has base_model_pp_plan" in message
+    assert "refused when BartForCausalLM is created from its config" in message
+
+
+def test_the_family_is_checked_at_model_creation_and_at_the_arguments(tmp_path, one_process, monkeypatch):
+    import gc
+
+    from transformers import AutoModelForSeq2SeqLM, BartForCausalLM
+    # no pipeline arguments yet: any model may be created; a BART saved for from_pretrained below
+    model = AutoModelForCausalLM.from_config(bart_config())
+    model.save_pretrained(tmp_path / "bart")
+    # arguments built after the model: refused there, naming it
+    with pytest.raises(ValueError, match="model type 'bart'.*refused as the TrainingArguments are built \\(the "
+                                         "model BartForCausalLM was created before them\\)"):
+        pipeline_args(tmp_path)
+    del model
+    gc.collect()
+    args = pipeline_args(tmp_path)
+    assert type(AutoModelForCausalLM.from_config(gpt2().config)).__name__ == "GPT2LMHeadModel"   # supported
+    with pytest.raises(ValueError, match="cannot convert T5ForConditionalGeneration: encoder-decoder.*model type "
+                                         "'t5'.*refused when T5ForConditionalGeneration is created from its config"):
+        AutoModelForSeq2SeqLM.from_config(transformers.T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=16,
+                                                                num_layers=1, num_heads=2))
+    with pytest.raises(ValueError, match="refused when BartForCausalLM.from_pretrained is called, before its "
+                                         "weights load"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "bart")
+    with pytest.raises(ValueError, match="refused when BartForCausalLM.from_pretrained returns"):
+        BartForCausalLM.from_pretrained(tmp_path / "bart")
+    # a model built for another use: the check can be turned off (the Trainer still checks what it is given)
+    monkeypatch.setenv("DS_CHIMERA_EARLY_MODEL_CHECK", "0")
+    other = AutoModelForCausalLM.from_pretrained(tmp_path / "bart")
+    monkeypatch.delenv("DS_CHIMERA_EARLY_MODEL_CHECK")
+    from ds_chimera.hf import PipelineTrainer
+    with pytest.raises(ValueError, match="cannot convert BartForCausalLM: it is not GPT-2 or Llama and its config "
+                                         "\\(BartConfig, model type 'bart'\\) has no base_model_pp_plan"):
+        PipelineTrainer(model=other, args=args)
+    del args, other
+    gc.collect()
+    AutoModelForCausalLM.from_config(bart_config())      # no pipeline arguments alive: nothing to check
+
+
+def test_models_transformers_builds_for_itself_are_not_checked(tmp_path, one_process):
+    from ds_chimera.hf.early import _created_by_script
+    args = pipeline_args(tmp_path)  # noqa: F841
+    assert _created_by_script()                                    # called from this test: the script
+    caller = {"__name__": "transformers.pipelines.base", "check": _created_by_script}
+    assert not eval("check()", caller)                             # called from transformers: not checked
+
+
+def test_a_checkpoint_a_plain_trainer_cannot_resume_exactly_says_so_when_written(tmp_path):
+    """With the DeepSpeed config's optimizer or scheduler, no optimizer.pt: the main process warns, once."""
+    import logging
+    from types import SimpleNamespace
+
+    from ds_chimera.hf.plain_resume import save_plain_optimizer, unreadable_reason
+    from ds_chimera.logs import get_logger
+    args = SimpleNamespace(should_save=True, save_on_each_node=False)
+    own = SimpleNamespace(hf_optimizer=object(), engine_owns_scheduler=False, args=args)
+    config_optimizer = SimpleNamespace(hf_optimizer=None, engine_owns_scheduler=False, args=args)
+    config_scheduler = SimpleNamespace(hf_optimizer=object(), engine_owns_scheduler=True, args=args)
+    assert unreadable_reason(own) is None
+    assert "\"optimizer\" section built the optimizer" in unreadable_reason(config_optimizer)
+    assert "\"scheduler\" section drives the learning rate" in unreadable_reason(config_scheduler)
+    caught, handler = [], logging.Handler()
+    handler.emit = lambda record: caught.append(record.getMessage())
+    get_logger().addHandler(handler)
+    try:
+        for step in (2, 4):
+            save_plain_optimizer(config_optimizer, str(tmp_path / f"checkpoint-{step}"))
+    finally:
+        get_logger().removeHandler(handler)
+    assert len(caught) == 1 and caught[0].startswith("checkpoint-2 has no optimizer.pt a plain transformers.Trainer "
+                                                     "can read (the DeepSpeed config's \"optimizer\" section")
+    assert not os.listdir(tmp_path)

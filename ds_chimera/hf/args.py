@@ -10,7 +10,8 @@ Three adaptations, only for configs with a ``"pipeline"`` section:
   put back, as accelerate reports them on GPUs.
 - Everything the arguments, the config and the world size decide (schedule, batch keys,
   ZeRO, precision) is checked as the arguments are built: a script that prepares its data
-  before building the Trainer learns of a bad config before that work, not after.
+  before building the Trainer learns of a bad config before that work, not after. So is the
+  family of a language model the script created before them (:mod:`.early`).
 """
 from __future__ import annotations
 
@@ -108,7 +109,9 @@ def install_early_checks(args_cls) -> None:
         config = pipeline_config_of(getattr(self, "deepspeed", None))
         if config is not None:
             from .config import resolve
+            from .early import arguments_built
             resolve(config, self, world_size())
+            arguments_built(self)          # a model the script created before: its family is checked now
 
     setattr(__post_init__, _PATCHED, True)
     args_cls.__post_init__ = __post_init__

@@ -2,7 +2,9 @@
 
 The folder holds what HF writes (``model.safetensors`` of the gathered weights, the trainer
 state, each rank's RNG state, the scheduler) plus ``pipeline/``: the engine's own checkpoint
-(each rank's stages and optimizer state) and each rank's compute RNG. Everything is written
+(each rank's stages and optimizer state) and each rank's compute RNG. A pipelined resume reads
+``pipeline/``; for a plain one-process Trainer the folder also holds ``optimizer.pt`` (the
+gathered optimizer state) and ``rng_state.pth`` (:mod:`.plain_resume`). Everything is written
 into a hidden staging folder first; once every rank is done, the main process renames it to
 ``checkpoint-N``, so ``resume_from_checkpoint=True`` never picks a half-written one.
 """
@@ -13,6 +15,8 @@ import shutil
 
 import torch
 import torch.distributed as dist
+
+from .plain_resume import save_plain_optimizer
 
 PIPELINE_DIR = "pipeline"
 SCHEDULER_NAME = "scheduler.pt"
@@ -53,6 +57,7 @@ def save_pipeline_state(trainer, output_dir: str) -> None:
     scheduler = trainer.lr_scheduler
     if trainer.args.should_save and scheduler is not None and not trainer.engine_owns_scheduler:
         torch.save(scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+    save_plain_optimizer(trainer, output_dir)          # what a plain Trainer resumes from (collective)
     dist.barrier()
 
 

@@ -84,18 +84,24 @@ def _fp32_masters(engine) -> dict:
     return out
 
 
-def gather_layer_states(engine, dst: int | None = 0) -> dict | None:
-    """All layer states, gathered on rank ``dst`` (None: on every rank). Collective: call on all ranks."""
+def gathered_objects(local, dst: int | None = 0):
+    """Every rank's ``local`` object, as a list on rank ``dst`` (None: on every rank), None on the others.
+    Collective: call on all ranks."""
     import torch.distributed as dist
-    local = engine_layer_states(engine)
     if dst is None:
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, local)
-    else:
-        parts = [None] * dist.get_world_size() if dist.get_rank() == dst else None
-        dist.gather_object(local, parts, dst=dst)
-        if parts is None:
-            return None
+        return parts
+    parts = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(local, parts, dst=dst)
+    return parts
+
+
+def gather_layer_states(engine, dst: int | None = 0) -> dict | None:
+    """All layer states, gathered on rank ``dst`` (None: on every rank). Collective: call on all ranks."""
+    parts = gathered_objects(engine_layer_states(engine), dst)
+    if parts is None:
+        return None
     merged = {}
     for part in parts:
         merged.update(part)

@@ -10,6 +10,9 @@ seconds, and the CLI and simulator must stay light.
 - ``transformers.trainer``: ``Trainer`` (and subclasses that keep its training loop) built
   with a pipeline config becomes a :class:`~ds_chimera.hf.trainer.PipelineTrainer`, or
   refuses clearly; it is never trained unpipelined. See :mod:`.routing`.
+- ``transformers.modeling_utils``: a language model the script creates (``from_config`` /
+  ``from_pretrained``) while a pipeline config is in force has its family checked then, before
+  the script's data work, not only when the Trainer is built; see :mod:`.early`.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ def install() -> None:
     call_after_import("transformers.training_args", _patch_args)
     call_after_import("transformers.integrations.deepspeed", _patch_deepspeed_config)
     call_after_import("transformers.trainer", _patch_trainer)
+    call_after_import("transformers.modeling_utils", _patch_models)
 
 
 def _patch_args(module) -> None:
@@ -36,3 +40,8 @@ def _patch_deepspeed_config(module) -> None:
 def _patch_trainer(module) -> None:
     from .routing import install_routing
     install_routing(module)
+
+
+def _patch_models(module) -> None:
+    from .early import install
+    install(module.PreTrainedModel)

@@ -78,15 +78,26 @@ def describe(model) -> Layout:
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "base_model_prefix"):
         raise ValueError(f"cannot convert {name}: not a transformers PreTrainedModel; supported: {', '.join(SUPPORTED)}")
-    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
-        raise ValueError(f"cannot convert {name}: encoder-decoder / cross-attention models are not supported; "
-                         f"supported: {', '.join(SUPPORTED)}")
+    check_family(type(model), config)
     if name == "GPT2LMHeadModel":
         return _describe_gpt2(model)
-    if getattr(config, "base_model_pp_plan", None):
-        return _describe_pp_plan(model)
-    raise ValueError(f"cannot convert {name}: it is not GPT-2 or Llama and its config "
-                     f"({type(config).__name__}) has no base_model_pp_plan; supported: {', '.join(SUPPORTED)}")
+    return _describe_pp_plan(model)
+
+
+def check_family(model_class: type, config) -> None:
+    """Refuse a model family the pipeline cannot cut, from the model's class and config alone.
+
+    No instance is needed, so this runs before a model is built or its weights are loaded
+    (:mod:`.early`); :func:`describe` then checks the modules themselves. Raises ValueError
+    naming the class, the model type and the supported families.
+    """
+    name, family = model_class.__name__, getattr(config, "model_type", None) or type(config).__name__
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise ValueError(f"cannot convert {name}: encoder-decoder / cross-attention models (model type {family!r}) "
+                         f"are not supported; supported: {', '.join(SUPPORTED)}")
+    if name != "GPT2LMHeadModel" and not getattr(config, "base_model_pp_plan", None):
+        raise ValueError(f"cannot convert {name}: it is not GPT-2 or Llama and its config ({type(config).__name__}, "
+                         f"model type {family!r}) has no base_model_pp_plan; supported: {', '.join(SUPPORTED)}")
 
 
 def _tied(model) -> bool:

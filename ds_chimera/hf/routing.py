@@ -6,7 +6,8 @@ both, ``MyTrainer`` first, so its overrides that call ``super()`` still run). A 
 overrides what the pipeline replaces (the loss, the training or prediction step, the loop,
 saving) is refused by name, since its override would silently not run. HF's own DeepSpeed
 initialisation refuses pipeline configs too, as a last guard: once ds_chimera is imported, a
-pipeline config is never trained unpipelined.
+pipeline config is never trained unpipelined. A Trainer that is not pipelined warns when it
+resumes from a pipelined checkpoint whose optimizer state it cannot read (:mod:`.plain_resume`).
 """
 from __future__ import annotations
 
@@ -64,6 +65,24 @@ def install_routing(trainer_module) -> None:
     setattr(__init__, _PATCHED, True)
     trainer_cls.__init__ = __init__
     _guard_deepspeed_init(trainer_module)
+    _warn_plain_resume(trainer_cls)
+
+
+def _warn_plain_resume(trainer_cls) -> None:
+    """A Trainer that is not pipelined, resuming from a pipelined checkpoint it cannot take the optimizer of:
+    warn (HF would start a fresh optimizer and schedule without a word). PipelineTrainer overrides the load."""
+    original = trainer_cls._load_optimizer_and_scheduler
+    if getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        from .plain_resume import warn_plain_resume
+        warn_plain_resume(self, checkpoint)
+        return original(self, checkpoint)
+
+    setattr(_load_optimizer_and_scheduler, _PATCHED, True)
+    trainer_cls._load_optimizer_and_scheduler = _load_optimizer_and_scheduler
 
 
 def _guard_deepspeed_init(trainer_module) -> None:

@@ -11,7 +11,8 @@ pointed at the pipeline engine:
   its scheduler is stepped by HF's loop, so ``learning_rate`` is logged as HF logs it;
 - ``prediction_step`` runs eval batches through the schedule's forward passes
   (:mod:`.evaluation`); ``compute_metrics`` sees every prediction on every rank;
-- checkpoints add the engine's state and are written atomically (:mod:`.checkpoint`).
+- checkpoints add the engine's state and are written atomically (:mod:`.checkpoint`); a plain
+  one-process Trainer resumes them exactly too (:mod:`.plain_resume`).
 
 From the Trainer's point of view the run is one process holding the global batch
 (:mod:`.accel`); which rank logs and saves follows HF's ``should_log`` / ``should_save``.
@@ -39,6 +40,7 @@ from .layout import describe
 from .loss import PipelineLoss
 from .optim import EngineScheduler, EngineStepped, torch_optimizer
 from .overrides import refuse_overrides
+from .plain_resume import save_plain_rng
 from .rng import ComputeRNG
 
 UNSUPPORTED = {"model_init": "pass a model (hyperparameter search re-creates models, which a pipeline cannot)",
@@ -271,6 +273,10 @@ class PipelineTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         save_pipeline_state(self, output_dir)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        save_plain_rng(self, output_dir)          # rng_state.pth too, for a one-process Trainer's resume
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         if checkpoint is not None:
