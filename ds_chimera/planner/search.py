@@ -146,7 +146,8 @@ def _fmt_bytes(nbytes) -> str:
 # ---- candidates ---------------------------------------------------------------------------------
 
 def option_grid(cls, setting: Setting, num_layers: int) -> list:
-    """The option sets tried for a schedule: chunks per rank, Chimera's pipelines and orders."""
+    """The option sets tried for a schedule: chunks per rank, Chimera's pipelines and orders (a plugin schedule:
+    its defaults)."""
     d = setting.stages
     grids = [{}]
     if "chunks" in cls.options:
@@ -154,8 +155,7 @@ def option_grid(cls, setting: Setting, num_layers: int) -> list:
     if "pipelines" in cls.options and "order" in cls.options:
         pipes = [f for f in range(1, d // 2 + 1) if d % 2 == 0 and (d // 2) % f == 0] or [1]
         grids = [{"pipelines": f, "order": o} for f in pipes for o in CHIMERA_ORDERS]
-    if "fill" in cls.options:
-        grids = [dict(g, fill="continuous") for g in grids]
+    # asynchronous schedules keep their default fill ("call"): "continuous" needs the script to drain()
     return grids
 
 

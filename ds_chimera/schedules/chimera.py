@@ -78,12 +78,12 @@ class Chimera(Schedule):
         if not isinstance(self.config["recompute"], bool):
             raise ValueError(f"chimera: recompute must be true or false, got {self.config['recompute']!r}")
         if self.order == "auto":
-            self.order = self.choose_order(self.stages, self.micro_batches, self.pipelines,
-                                           self.config["costs"], limit, self.config["recompute"])
+            self.order, self._chosen = self._choose(self.stages, self.micro_batches, self.pipelines,
+                                                    self.config["costs"], limit, self.config["recompute"])
 
     @staticmethod
-    def choose_order(stages: int, micro_batches: int, pipelines: int, costs=None, max_activations=None,
-                     recompute: bool = False) -> str:
+    def _choose(stages: int, micro_batches: int, pipelines: int, costs=None, max_activations=None,
+                recompute: bool = False) -> tuple:
         """The fastest order under ``costs`` whose peak activations fit ``max_activations`` (ties: earlier).
 
         The makespan is the simulator's (compute, message latency, the gradient syncs),
@@ -104,8 +104,8 @@ class Chimera(Schedule):
             priced = _with_recomputation(costs, split=order == "zero-bubble") if recompute else costs
             makespan = compute_timing(candidate.placement, candidate.orders, priced, syncs=True)[0]
             if best is None or makespan < best[0] - 1e-9:
-                best = (makespan, order)
-        return best[1]
+                best = (makespan, order, candidate)
+        return best[1], best[2]         # the chosen candidate's placement and orders are reused, not rebuilt
 
     # -- placement -----------------------------------------------------------------
     def stage_ranks(self) -> list:
@@ -133,6 +133,9 @@ class Chimera(Schedule):
         return out
 
     def build_placement(self):
+        chosen = getattr(self, "_chosen", None)
+        if chosen is not None:
+            return chosen.placement
         mb_replica = [0] * self.micro_batches
         for slot, pipe in zip(self.slots(), self.slot_pipelines()):
             for mb in slot:
@@ -141,6 +144,10 @@ class Chimera(Schedule):
 
     # -- order -----------------------------------------------------------------
     def build_orders(self):
+        chosen = getattr(self, "_chosen", None)
+        if chosen is not None:
+            self._chosen = None
+            return chosen.orders
         d, pipes = self.stages, 2 * self.pipelines
         if self.order == "zero-bubble":
             return fastest_list_schedule(self.placement, [float(d)] * d, f"{self.name} order=zero-bubble",
