@@ -101,15 +101,17 @@ def plot_last_step(engine, trace_dir, out_dir):
     name = engine.schedule.name
     measured = os.path.join(out_dir, f"{name}_measured.png")
     plot_gantt(records, engine.placement, measured, title=f"{name}: measured last step (ms)")
-    fwd = [e - s for _, k, _, _, s, e in records if k == "F"]
-    bwd = [e - s for _, k, _, _, s, e in records if k in "BI"]
-    compute = Costs(fwd=sum(fwd) / len(fwd) / engine.placement.size,
-                    bwd=sum(bwd) / len(bwd) / engine.placement.size, wgrad=0.0)
+    def mean(kind):
+        times = [e - s for _, k, _, _, s, e in records if k == kind]
+        return sum(times) / len(times) / engine.placement.size if times else 0.0
+    # a fused backward (B), or a split one (I then W: Chimera's default zero-bubble order, zbv)
+    wgrad = mean("W")
+    compute = Costs(fwd=mean("F"), bwd=(mean("I") + wgrad) if wgrad else mean("B"), wgrad=wgrad)
     # the runtime's host time per action (its sends included): the gaps between two consecutive
     # actions of a rank with nothing between them that waits; their mean, as the step adds them up
     host = [gap for rank, ops in enumerate(engine.plan.program.ops)
             for _, gap, _ in free_gaps(ops, sorted((r for r in records if r[0] == rank), key=lambda r: r[4]))]
-    costs = Costs(fwd=compute.fwd, bwd=compute.bwd, wgrad=0.0, dispatch=sum(host) / len(host) if host else 0.0)
+    costs = Costs(fwd=compute.fwd, bwd=compute.bwd, wgrad=compute.wgrad, dispatch=sum(host) / len(host) if host else 0.0)
     sim = simulate(engine.plan.program, costs)
     predicted = os.path.join(out_dir, f"{name}_simulated.png")
     plot_gantt(sim.records, engine.placement, predicted, title=f"{name}: simulated with the measured mean costs (ms)")
