@@ -176,30 +176,39 @@ def cmd_simulate(args) -> int:
 
 
 def _rank_all(args, costs: Costs) -> int:
+    """Every synchronous schedule with each option set the planner tries (chunks, Chimera's pipelines and
+    orders), unit stages; a given --chunks / --pipelines narrows the sets."""
+    from .planner.search import Setting, option_grid
     rows = []
+    setting = Setting(stages=args.stages, micro_batches=args.micro_batches)
     for name, cls in sorted(registry.available().items()):
         if not cls.synchronous:
             continue
-        try:
-            options = _schedule_options(cls, args, costs, flags=("chunks", "pipelines"), strict=False)
-            schedule = cls(args.stages, args.micro_batches, **options)
-        except ValueError as exc:
-            rows.append((name, None, str(exc)))
-            continue
-        result = simulate(schedule.lower(), costs, chunks_per_rank=schedule.chunks_per_rank)
-        peak = max(result.peak_activations)
-        if args.max_activations is not None and peak > args.max_activations + 1e-9:
-            rows.append((name, None, f"peak activations {peak:g} > limit {args.max_activations:g}"))
-        else:
-            rows.append((name, result, ""))
+        fixed = _schedule_options(cls, args, costs, flags=("chunks", "pipelines"), strict=False)
+        grids = [g for g in option_grid(cls, setting, num_layers=4 * args.stages)
+                 if all(g.get(k, v) == v for k, v in fixed.items() if k != "costs")] or [{}]
+        for options in grids:
+            label = name + "".join(f" {k}={v}" for k, v in options.items())
+            try:
+                schedule = cls(args.stages, args.micro_batches, **{**fixed, **options})
+            except ValueError as exc:
+                rows.append((label, None, str(exc)))
+                continue
+            result = simulate(schedule.lower(), costs, chunks_per_rank=schedule.chunks_per_rank)
+            peak = max(result.peak_activations)
+            if args.max_activations is not None and peak > args.max_activations + 1e-9:
+                rows.append((label, None, f"peak activations {peak:g} > limit {args.max_activations:g}"))
+            else:
+                rows.append((label, result, ""))
     fits = sorted((r for r in rows if r[1] is not None), key=lambda r: r[1].makespan)
-    print(f"{'rank':<5}{'schedule':<15}{'makespan':>10}{'bubble':>9}{'peak act':>10}{'weights':>9}")
+    width = max((len(r[0]) for r in rows), default=10) + 2
+    print(f"{'rank':<5}{'schedule':<{width}}{'makespan':>10}{'bubble':>9}{'peak act':>10}{'weights':>9}")
     for i, (name, result, _) in enumerate(fits, 1):
-        print(f"{i:<5}{name:<15}{result.makespan:>10g}{result.bubble_ratio:>9.3f}"
+        print(f"{i:<5}{name:<{width}}{result.makespan:>10g}{result.bubble_ratio:>9.3f}"
               f"{max(result.peak_activations):>10g}{max(result.weights_per_rank):>9g}")
     for name, _, why in rows:
         if why:
-            print(f"  -    {name:<15}excluded: {why}")
+            print(f"  -    {name:<{width}}excluded: {why}")
     if args.json:
         print(json.dumps({"ranking": [dict(r[1].summary(), schedule=r[0]) for r in fits]}))
     return 0 if fits else 1
