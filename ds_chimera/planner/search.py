@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ..logs import get_logger
 from ..schedules import registry
+from ..schedules.actions import activation_peaks
 from ..schedules.chimera import AUTO_CANDIDATES as CHIMERA_ORDERS
 from ..schedules.costs import Costs
 from ..sim.simulator import simulate
@@ -197,11 +198,6 @@ def _compute_bound(placement, stage_time: list) -> float:
     return max(busy)
 
 
-def _uniform_peak(orders: list) -> int:
-    from ..schedules.chimera import peak_activations
-    return peak_activations(orders)
-
-
 def plan(profile: Profile, setting: Setting, budget: Budget = Budget(), cuts=CUT_METHODS,
          exhaustive: bool = False, only=None) -> PlanResult:
     """Search schedules x options x cuts; return the fastest that fits ``budget`` and every candidate's fate.
@@ -277,7 +273,7 @@ def plan(profile: Profile, setting: Setting, budget: Budget = Budget(), cuts=CUT
                                   precision=setting.precision, zero=setting.zero,
                                   data_parallel=setting.data_parallel,
                                   optimizer_bytes=profile.optimizer_state_bytes_per_param)
-        cand.peak_micro_batches = _uniform_peak(schedule.orders)
+        cand.peak_micro_batches = max(activation_peaks(schedule.orders))
         why = _over_budget(cand, budget)
         if why:
             cand.excluded = why
