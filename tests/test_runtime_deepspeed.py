@@ -20,13 +20,15 @@ sys.path.insert(0, os.path.join(HERE, "distributed"))
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "breadth-first", "chimera", "chimera-fd", "chimera-merged",
              "chimera-concat", "chimera-zb", "zb-h1", "zbv", "dualpipev"]
-EQUIV = [f"equiv-{topo}-{s}" for topo in ("4x1", "2x2") for s in SCHEDULES] + ["equiv-4x1-chimera-zb-f2"]
+# at D = 4, N = 8 Chimera's default order is zero-bubble: "chimera" there is "chimera-zb"
+EQUIV = [f"equiv-{topo}-{s}" for topo in ("4x1", "2x2") for s in SCHEDULES
+         if (topo, s) != ("4x1", "chimera-zb")] + ["equiv-4x1-chimera-zb-f2"]
 OTHER = ["tied-4x1-chimera", "tied-4x1-1f1b", "tied-2x2-zbv", "actckpt-4x1-chimera", "actckpt-4x1-zb-h1",
          "actckpt-4x1-chimera-zb",
          "actckpt-4x1-interleaved", "ckpt-resume-chimera", "ckpt-resume-2x2-zbv", "ckpt-cross-chimera-to-1f1b",
          "ckpt-cross-chimera-to-stock", "ckpt-cross-zbv-to-interleaved", "stock-clipping",
          "interop-stock-to-1f1b", "interop-1f1b-to-stock", "interop-stock-to-gpipe", "bf16-4x1-chimera",
-         "bf16-4x1-chimera-zb", "bf16-2x2-zbv", "bf16-4x1-stock", "bf16-4x1-1f1b-noclip", "zero1-2x2-breadth-first", "zero1-2x2-zbv",
+         "bf16-2x2-zbv", "bf16-4x1-stock", "bf16-4x1-1f1b-noclip", "zero1-2x2-breadth-first", "zero1-2x2-zbv",
          "zero1-2x2-zbv-tied", "zero1-2x2-breadth-first-end", "lm-chimera", "lm-zbv", "trace-chimera", "trace-zbv", "bad-zero1-chimera", "bad-zero1-tied", "bad-zero2", "bad-zero1-reduce",
          "bad-fp16", "bad-load-other-schedule", "bad-batch-split", "bad-unknown", "bad-zero3-async", "bad-zero3-bf16",
          "bad-zero3-tied", "bad-reshard-zero1",
@@ -261,7 +263,7 @@ def test_auto_trains_exactly_like_the_schedule_it_chose(results):
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["auto_losses"], r["ref_losses"]))
 
 
-@pytest.mark.parametrize("scenario", ["bf16-4x1-chimera", "bf16-4x1-chimera-zb", "bf16-2x2-zbv", "bf16-4x1-1f1b-noclip"])
+@pytest.mark.parametrize("scenario", ["bf16-4x1-chimera", "bf16-2x2-zbv", "bf16-4x1-1f1b-noclip"])
 def test_bf16_with_deepspeeds_bf16_optimizer(results, scenario):
     """bf16 weights, fp32 master weights and grads: as close to fp32 training as DeepSpeed's own bf16."""
     r, stock = results[scenario], results["bf16-4x1-stock"]

@@ -108,6 +108,8 @@ def test_chimera_auto_fits_1f1b_activations_and_is_the_fastest_that_fits(d, n):
 
 
 def test_chimera_auto_takes_forward_doubling_only_with_the_memory_for_it():
+    # the default at D = 4, N = 8 (the runtime tests' "chimera" scenarios run it)
+    assert build("chimera", 4, 8).order == "zero-bubble" and build("chimera", 4, 8, recompute=True).order == "concat"
     # with no weight-grad to defer, zero-bubble gains nothing and forward-doubling (2D activations) is fastest
     costs = {"fwd": 1, "bwd": 2, "wgrad": 0}
     assert build("chimera", 4, 8, costs=costs).order == "concat"
