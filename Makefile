@@ -29,8 +29,9 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PYTHON) -m pytest -q -n 2 --dist loadfile tests
 
-# CI's suite plus the variants and grids it leaves out (about 13 minutes on the 2-core host): every shipped
-# config, four more Megatron-contract cases, the whole interpreter kernel grids, 12 chaos cases.
+# CI's suite plus the variants and grids it leaves out (about 15 minutes on the 2-core host): every shipped
+# config, four more Megatron-contract cases, the whole interpreter kernel grids, 12 chaos cases, the two-node
+# launch, a plain Trainer resuming a pipelined checkpoint, a caught kill, the pipeoptim launch.
 test-full: $(STAMP)
 	DS_CHIMERA_FULL=1 DS_CHIMERA_KERNEL_GRID=full DS_CHIMERA_CHAOS=12 $(PYTHON) -m pytest -q -n 2 --dist loadfile tests
 

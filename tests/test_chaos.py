@@ -20,6 +20,8 @@ SUITE = [(Case("chimera", 1, "forward", "raise"), False), (Case("wavelet", 2, "s
          # the monitor turned off: Wavelet's partner channel polls the store rank 0 hosts, and torch's
          # store calls to a stopped host never return, so the channel bounds them itself
          (Case("wavelet", 0, "receive", "stop", monitor=False), False)]
+if not tiers.FULL:     # within CI's budget: the monitored stopped rank 0 stays; the channel-only variant in test-full
+    SUITE = [entry for entry in SUITE if entry[0].monitor]
 GRID = os.environ.get("DS_CHIMERA_CHAOS")
 CASES = SUITE if not GRID else [(case, True) for case in grid(seed=0, size=None if GRID == "full" else int(GRID))]
 
@@ -31,7 +33,9 @@ def test_one_rank_fails_every_rank_ends(case, resume, tmp_path):
 
 # A script that catches train_batch's exception (to save, report or clean up), as DeepSpeed's own test
 # harness does: every rank gets an exception within seconds and its process carries on.
-CAUGHT = [Case("chimera", 1, "forward", "raise", catch=True), Case("zbv", 2, "backward", "kill", catch=True)]
+# CI: the raise; make test-full adds a killed rank (a kill's cases cost CI's budget more than they add to it)
+CAUGHT = [Case("chimera", 1, "forward", "raise", catch=True)] + \
+    ([Case("zbv", 2, "backward", "kill", catch=True)] if tiers.FULL else [])
 
 
 @pytest.mark.parametrize("case", CAUGHT, ids=str)

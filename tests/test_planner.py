@@ -186,7 +186,7 @@ def test_profile_times_match_the_layers_set_costs():
     is the layer's own median hold (a loaded host wakes sleepers late: the profile must report that time, as
     training would pay it); on a quiet host the two agree."""
     import statistics
-    set_costs = [(0.010, 0.020, 0.010), (0.020, 0.015, 0.025), (0.030, 0.030, 0.030)]
+    set_costs = [(0.020, 0.030, 0.020), (0.030, 0.020, 0.030)]
     layers = [SleepingLayer(*c) for c in set_costs]
     x = torch.randn(2, 8, requires_grad=True)
     profile = profile_sequential(layers, x, loss=lambda out: out.sum())
@@ -198,7 +198,7 @@ def test_profile_times_match_the_layers_set_costs():
         # against the set costs wherever the host did not delay the layer's own holds
         for got, took_s, set_s in ((measured.fwd, took["F"], f), (measured.bwd, took["I"] + took["W"], i + w),
                                    (measured.wgrad, took["W"], w)):
-            if took_s <= 1.05 * set_s:
+            if took_s <= 1.02 * set_s:
                 assert got == pytest.approx(set_s, rel=0.10)
 
 
