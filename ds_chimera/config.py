@@ -105,6 +105,12 @@ class PipelineConfig:
         """
         return self.zero_stage != 1 and (self.clip > 0 or self.bf16)
 
+    def checkpoint_interval(self, module_interval) -> int:
+        """The "pipeline" section's activation_checkpoint_interval, else the PipelineModule's own."""
+        if self.activation_checkpoint_interval is not None:
+            return self.activation_checkpoint_interval
+        return int(module_interval or 0)
+
     @property
     def planned(self) -> bool:
         """``"schedule": "auto"``: the planner picks the schedule, options and cut before anything is built."""

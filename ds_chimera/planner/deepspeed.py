@@ -71,7 +71,7 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
     if rank == 0 and profile_file and not os.path.exists(profile_file):
         profile.save(profile_file)
     setting = Setting(stages=stages, micro_batches=micro_batches, data_parallel=dp, precision=pipeline.precision,
-                      zero=pipeline.zero_stage, checkpoint_interval=_checkpoint_interval(module, pipeline),
+                      zero=pipeline.zero_stage, checkpoint_interval=pipeline.checkpoint_interval(module.activation_checkpoint_interval),
                       allow_asynchronous=bool(options.get("allow_asynchronous")))
     budget = Budget(memory_bytes=_memory_budget(options, device, dist), max_activations=options.get("max_activations"))
     decided = [None]
@@ -170,12 +170,6 @@ def _micro_batch_size(pipeline, dp: int) -> int:
     if batch.train_batch_size is not None:
         return max(1, batch.train_batch_size // (batch.micro_batches(dp) * dp))
     return 1
-
-
-def _checkpoint_interval(module, pipeline) -> int:
-    if pipeline.activation_checkpoint_interval is not None:
-        return pipeline.activation_checkpoint_interval
-    return int(module.activation_checkpoint_interval or 0)
 
 
 def _optimizer_state_bytes(config: dict, optimizer=None) -> int:

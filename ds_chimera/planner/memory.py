@@ -52,6 +52,14 @@ def state_bytes_per_param(precision: str, zero: int, data_parallel: int, optimiz
     return weight + grad + master
 
 
+def rank_params(placement, stage_params: list) -> list:
+    """Each rank's parameters: the sum over its chunks of their stages' (replicas count once per chunk)."""
+    held = [0] * placement.num_ranks
+    for c in placement.chunks:
+        held[c.rank] += stage_params[c.stage]
+    return held
+
+
 def rank_memory(schedule, program, stage_params: list, stage_act: list, stage_out: list, *, precision: str,
                 zero: int, data_parallel: int, optimizer_bytes: int) -> list:
     """RankMemory of every pipeline rank for ``schedule`` (its lowered ``program``) on a cut whose stages
@@ -64,9 +72,10 @@ def rank_memory(schedule, program, stage_params: list, stage_act: list, stage_ou
     versions = program.weights or plain         # asynchronous schedules: weight versions beyond the placement's
     weight_bytes = 2.0 if precision == "bf16" else 4.0
     out = []
+    held = rank_params(placement, stage_params)
     for r in range(placement.num_ranks):
         chunks = placement.chunks_on(r)
-        params = sum(stage_params[chunk_stage[c]] for c in chunks)
+        params = held[r]
         extra_versions = (versions[r] / plain[r] - 1.0) if plain[r] else 0.0
         states = params * per_param + max(0.0, extra_versions) * params * weight_bytes
         gathered = 0.0

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -34,9 +34,6 @@ class LayerCost:
     output_bytes: int           # the layer's output: a message if a stage ends after it
     param_bytes: int            # trainable parameters
     params: int = 0
-
-    def scaled(self, factor: float) -> "LayerCost":
-        return replace(self, fwd=self.fwd * factor, bwd=self.bwd * factor, wgrad=self.wgrad * factor)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from ..schedules.chimera import AUTO_CANDIDATES as CHIMERA_ORDERS
 from ..schedules.costs import Costs
 from ..sim.simulator import simulate
 from .cuts import CUT_METHODS, boundary_bytes, cut, stage_costs, stage_sums
-from .memory import GIB, rank_memory, state_bytes_per_param
+from .memory import GIB, rank_memory, rank_params, state_bytes_per_param
 from .profile import Profile
 
 log = get_logger()
@@ -245,7 +245,7 @@ def plan(profile: Profile, setting: Setting, budget: Budget = Budget(), cuts=CUT
                 cand.excluded = ("activation checkpointing: a split backward recomputes each checkpointed block "
                                  "twice (docs/limits.md)")
                 continue
-            weights_floor = _weights_floor(placed.placement, layers, parts, per_param)
+            weights_floor = per_param * max(rank_params(placed.placement, stage_sums(layers, parts, "params")))
             if budget.memory_bytes is not None and weights_floor > budget.memory_bytes:
                 cand.excluded = (f"model states alone need {_fmt_bytes(weights_floor)} on a rank, over the "
                                  f"{_fmt_bytes(budget.memory_bytes)} budget")
@@ -308,14 +308,6 @@ def _check_setting(schedule, setting: Setting) -> None:
 
 def _splits_backward(cls, options: dict) -> bool:
     return cls.name in ("zb-h1", "zbv", "dualpipev") or options.get("order") == "zero-bubble"
-
-
-def _weights_floor(placement, layers, parts, per_param: float) -> float:
-    params = [sum(layer.params for layer in layers[parts[s]:parts[s + 1]]) for s in range(len(parts) - 1)]
-    held = [0.0] * placement.num_ranks
-    for c in placement.chunks:
-        held[c.rank] += params[c.stage] * per_param
-    return max(held)
 
 
 def _over_budget(cand: Candidate, budget: Budget) -> str | None:

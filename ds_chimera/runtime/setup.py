@@ -41,7 +41,7 @@ def prepare_module(module, config: PipelineConfig, model_parameters):
             return list(module.parts)          # the user's own cut, whatever method made it
         return partition(module, num_parts, method or _infer_method(module, num_stages))
 
-    if _checkpoint_interval(module, config):
+    if config.checkpoint_interval(module.activation_checkpoint_interval):
         # a schedule that chooses its order from costs (Chimera's auto) prices the recomputation
         config = config.with_default_option("recompute", True)
     plan = make_plan(config, num_stages, dp, len(module._layer_specs), parts_fn)
@@ -54,7 +54,7 @@ def prepare_module(module, config: PipelineConfig, model_parameters):
         _check_async_setup(module, plan, config, zero)
     device = get_accelerator().device_name(module.local_rank)
     checkpoint_func = _checkpoint_function(module, plan)
-    interval = _checkpoint_interval(module, config)
+    interval = config.checkpoint_interval(module.activation_checkpoint_interval)
     module.activation_checkpoint_interval = interval
     chunks, tied = build_chunks(module, plan.placement, grid.get_stage_id(), plan.parts, device,
                                 interval, checkpoint_func)
@@ -122,13 +122,6 @@ def _refuse_ties_under_sharding(module, zero: int) -> None:
                          f"a tied weight would belong to two chunks' shards; untie them or use ZeRO stage 0/1")
 
 
-def _checkpoint_interval(module, config: PipelineConfig) -> int:
-    """The "pipeline" section's activation_checkpoint_interval, else the PipelineModule's own."""
-    if config.activation_checkpoint_interval is not None:
-        return config.activation_checkpoint_interval
-    return module.activation_checkpoint_interval
-
-
 def _check_async_setup(module, plan, config: PipelineConfig, zero: int) -> None:
     """What asynchronous schedules cannot do yet, refused before any step."""
     from deepspeed.runtime.pipe.module import TiedLayerSpec
@@ -136,7 +129,7 @@ def _check_async_setup(module, plan, config: PipelineConfig, zero: int) -> None:
     if any(isinstance(spec, TiedLayerSpec) for spec in module._layer_specs):
         raise ValueError(f"schedule {name!r} updates each stage on its own clock, so weights tied across layers "
                          f"(TiedLayerSpec) would diverge between their stages; untie them or use a synchronous schedule")
-    interval = _checkpoint_interval(module, config)
+    interval = config.checkpoint_interval(module.activation_checkpoint_interval)
     if interval:
         raise ValueError(f"schedule {name!r} with activation_checkpoint_interval={interval}: recomputation in the "
                          f"backward would see the live weights, not the version the forward used; set it to 0")
