@@ -32,6 +32,9 @@ RUNTIME_KEYS = frozenset({"schedule", "program", "timeout", "trace_dir", "partit
 # "schedule": "auto": the planner's own keys (see ds_chimera.planner) and their defaults
 PLANNER_OPTIONS = {"memory_limit_gb": None, "max_activations": None, "allow_asynchronous": False,
                    "plan_file": None, "profile_file": None}
+# Megatron's "auto" plans among the schedules that run the chunks as built (their weights are the same for each),
+# so only the activation budget and the plan file apply there (ds_chimera.megatron.auto)
+MEGATRON_PLANNER_OPTIONS = {"max_activations": None, "plan_file": None}
 ZERO1_REDUCE = ("chunk", "end")     # ZeRO-1: reduce each chunk's gradients when it is done, or all at the end
 ZERO_STAGES = (0, 1, 2, 3)
 PARTITION_METHODS = ("parameters", "uniform", "type:REGEX")
@@ -238,18 +241,23 @@ class PipelineConfig:
         from .schedules import registry
         if not isinstance(schedule, str):
             raise ValueError(f"{where}: schedule must be a schedule name, got {schedule!r}")
-        if schedule == AUTO:
-            raise ValueError(f'{where}: "auto" (the planner) runs from deepspeed.initialize with a PipelineModule; '
-                             f"Megatron's path takes a schedule name (ds-chimera plan --profile FILE ranks them)")
         options = dict(options)
         timeout = options.pop("timeout", DEFAULT_TIMEOUT_S)
-        registry.checked(schedule, options, caller_steps=True)
+        if schedule == AUTO:
+            unknown = sorted(set(options) - set(MEGATRON_PLANNER_OPTIONS))
+            if unknown:
+                raise ValueError(f'{where}: "auto" on Megatron takes {sorted(MEGATRON_PLANNER_OPTIONS)} (it chooses '
+                                 f"among the schedules that run the chunks as built, whose weights are the same), "
+                                 f"got {unknown}")
+            _check_planner_options(options, where)
+        else:
+            registry.checked(schedule, options, caller_steps=True)
         return cls(schedule=schedule, options=options, timeout_s=check_seconds(where, "timeout", timeout))
 
     def with_default_option(self, key: str, value) -> "PipelineConfig":
         """This configuration with option ``key`` set to ``value`` where the schedule has that option and the
         user left it out (Megatron's virtual-pipeline size as the chunks of a looped schedule)."""
-        if key in self.options or key not in self.schedule_class().options:
+        if self.planned or key in self.options or key not in self.schedule_class().options:
             return self
         return replace(self, options={**self.options, key: value})
 
@@ -352,21 +360,21 @@ def _parts(value) -> tuple:
     return tuple(value)
 
 
-def _check_planner_options(options: dict) -> None:
+def _check_planner_options(options: dict, where: str = '"pipeline"') -> None:
     """The planner's keys, checked before any profiling."""
     limit = options.get("memory_limit_gb")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
-        raise ValueError(f'"pipeline": memory_limit_gb must be a number of GiB > 0 per rank, got {limit!r}')
+        raise ValueError(f'{where}: memory_limit_gb must be a number of GiB > 0 per rank, got {limit!r}')
     acts = options.get("max_activations")
     if acts is not None and (isinstance(acts, bool) or not isinstance(acts, (int, float)) or not acts >= 1):
-        raise ValueError(f'"pipeline": max_activations must be a number of micro-batches >= 1 per rank, got {acts!r}')
+        raise ValueError(f'{where}: max_activations must be a number of micro-batches >= 1 per rank, got {acts!r}')
     allow = options.get("allow_asynchronous", False)
     if not isinstance(allow, bool):
-        raise ValueError(f'"pipeline": allow_asynchronous must be true or false, got {allow!r}')
+        raise ValueError(f'{where}: allow_asynchronous must be true or false, got {allow!r}')
     for key in ("plan_file", "profile_file"):
         path = options.get(key)
         if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path)):
-            raise ValueError(f'"pipeline": {key} must be a file path, got {path!r}')
+            raise ValueError(f'{where}: {key} must be a file path, got {path!r}')
 
 
 

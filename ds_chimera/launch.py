@@ -98,12 +98,12 @@ def _check_megatron_schedule(name: str, options) -> str | None:
     """A bad --pipeline-schedule fails here, before any process starts; None when it is fine."""
     import json
 
-    from .schedules import registry
+    from .config import PipelineConfig
     try:
         parsed = json.loads(options) if options else {}
         if not isinstance(parsed, dict):
             return f"--pipeline-schedule-options must be a JSON object, got {options!r}"
-        registry.checked(name, parsed, caller_steps=True)
+        PipelineConfig.from_megatron(name, parsed, where="--pipeline-schedule")    # "auto" and its options too
     except (ValueError, json.JSONDecodeError) as exc:
         return str(exc)
     return None

@@ -108,6 +108,46 @@ def test_install_routes_megatrons_get_forward_backward_func(contract_results):
         assert results[-1]["built_stages"] == [rank, rank + 4]
 
 
+def test_auto_times_the_first_call_then_runs_the_fastest_schedule_for_the_built_chunks(contract_results):
+    """"auto": the first training call runs the chunks' own layout timed (ZB-H1 on Megatron's one chunk per rank,
+    whose config can split the backward; the built-for schedule on build_model_chunks' chunks); then every rank
+    runs the same plan, among the schedules of that placement, within the activation budget."""
+    for rank, results in enumerate(contract_results):
+        auto = next(r["auto"] for r in results if "auto" in r)
+        layout, chimera = auto["layout"], auto["chimera"]
+        assert layout["profiled_with"] == ["zb-h1", {}]
+        assert chimera["profiled_with"] == ["chimera", {"order": "merged"}]
+        assert all(t > 0 for t in layout["stage_fwd"] + layout["stage_wgrad"])      # every stage timed
+        assert chimera["stage_wgrad"] == [-1.0] * 4                             # merged does not split it
+        # the layout's plan: never more activations than Megatron's 1F1B (4), so not GPipe (8)
+        assert layout["chosen"]["8"][0] in ("1f1b", "zb-h1"), layout["chosen"]
+        # Chimera's chunks under a 4-activation budget: merged (5) and forward-doubling (8) do not fit, the
+        # zero-bubble order's weight gradient was not timed apart: concat, a switch from the profiled order
+        assert chimera["chosen"] == {"8": ["chimera", {"pipelines": 1, "order": "concat"}],
+                                     "4": ["chimera", {"pipelines": 1, "order": "concat"}]}
+        assert "holds 5 micro-batches of activations on a rank, over the limit of 4" in chimera["report"]
+        assert "places stages [[0], [1], [2], [3]] on the ranks; the chunks were built as" in chimera["report"]
+        for case in (layout, chimera):
+            assert case["grad_norm"] > 0.1
+            assert case["grad_diff"] <= 1e-6          # the profiled call and the planned call: the same gradients
+        if rank == 0:
+            assert [p["num_microbatches"] for p in chimera["plan_file"]["plans"]] == [8, 4]
+            assert chimera["plan_file"]["plans"][0]["options"] == {"pipelines": 1, "order": "concat"}
+        assert chimera["chosen"] == next(r["auto"] for r in contract_results[0] if "auto" in r)["chimera"]["chosen"]
+        assert layout["chosen"] == next(r["auto"] for r in contract_results[0] if "auto" in r)["layout"]["chosen"]
+
+
+def test_auto_options_on_megatron_are_checked_before_any_work():
+    from ds_chimera.config import PipelineConfig
+    with pytest.raises(ValueError, match=r"\"auto\" on Megatron takes \['max_activations', 'plan_file'\].*"
+                                         r"got \['memory_limit_gb'\]"):
+        PipelineConfig.from_megatron("auto", {"memory_limit_gb": 4}, where="install")
+    with pytest.raises(ValueError, match=r"install: max_activations must be a number of micro-batches >= 1 per rank, "
+                                         r"got 0"):
+        PipelineConfig.from_megatron("auto", {"max_activations": 0}, where="install")
+    assert PipelineConfig.from_megatron("auto", {"max_activations": 4, "timeout": 9}).planned
+
+
 def test_dead_rank_stops_the_others_with_a_clear_error():
     timeout_s = 5
     try:

@@ -74,6 +74,9 @@ class ScheduleRunner:
         self.rank = None
         self.p2p = None
         self.groups = None
+        self.trace_next = False          # time the next training call's actions ("auto" profiles with them)
+        self.last_records: list = []     # (rank, kind, chunk, mb, start, end) of the traced call
+        self.last_schedule = None
 
     def _schedule(self, size: int, num_microbatches: int):
         key = (size, num_microbatches)
@@ -143,6 +146,7 @@ class ScheduleRunner:
         if train and config.grad_scale_func is not None:
             scale = config.grad_scale_func(torch.ones(1, device=device))
         step.grad_scale = scale
+        self.last_schedule = schedule
         with faults.guard(f"forward_backward_func ({self.name}, {'train' if train else 'forward only'})",
                           self.timeout_s):
             return self._run(step, program if train else eval_program, train, scale, config, chunks, shared,
@@ -155,7 +159,11 @@ class ScheduleRunner:
         with contextlib.ExitStack() as stack:
             for func in (no_sync if isinstance(no_sync, list) else [no_sync]):
                 stack.enter_context(func())
-            StepExecutor(step).run(program.ops[self.rank], train=train, scale=scale, device=device)
+            trace = train and self.trace_next
+            executor = StepExecutor(step)
+            executor.run(program.ops[self.rank], train=train, scale=scale, device=device, trace=trace)
+            if trace:
+                self.trace_next, self.last_records = False, executor.records
         for feed in feeds.values():
             feed.finish()
         finish_losses = start_loss_exchange(step.reduced, placement, group, device, self.rank, self.timeout_s)
@@ -186,15 +194,20 @@ def get_forward_backward_func(schedule: str = "1f1b", *, timeout: float = DEFAUL
     """A function with Megatron-Core's forward-backward contract that runs ``schedule``.
 
     ``options`` are the schedule's own (``chunks=V`` for interleaved and breadth-first,
-    ``pipelines`` for chimera...). ``timeout`` (seconds) bounds every wait on a peer: a dead
-    rank becomes a clear error. Bad names and options fail here, before any step.
+    ``pipelines`` for chimera...); ``"auto"`` times the first training call, then runs the fastest
+    schedule for the chunks as built (:mod:`.auto`; options ``max_activations``, ``plan_file``).
+    ``timeout`` (seconds) bounds every wait on a peer: a dead rank becomes a clear error. Bad names and options fail here, before any step.
     """
     return forward_backward_func_for(PipelineConfig.from_megatron(schedule, {**options, "timeout": timeout}))
 
 
 def forward_backward_func_for(config: PipelineConfig):
-    """:func:`get_forward_backward_func` for an already parsed configuration."""
-    runner = ScheduleRunner(config)
+    """:func:`get_forward_backward_func` for an already parsed configuration (``"auto"``: :mod:`.auto`)."""
+    if config.planned:
+        from .auto import AutoRunner
+        runner = AutoRunner(config)
+    else:
+        runner = ScheduleRunner(config)
 
     def forward_backward_func(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
                               micro_batch_size, decoder_seq_length=None, forward_only=False,
@@ -210,4 +223,5 @@ def forward_backward_func_for(config: PipelineConfig):
     forward_backward_func.schedule = config.schedule
     forward_backward_func.options = dict(config.options)
     forward_backward_func.config = config
+    forward_backward_func.runner = runner          # under "auto": its decisions and the planner's reports
     return forward_backward_func

@@ -124,10 +124,18 @@ def build_model_chunks(model_provider, schedule: str | None = None, *, micro_bat
     ``schedule`` and ``options`` default to the installed routing's (see :func:`chosen_config`),
     so a Megatron launch with ``--pipeline-schedule NAME`` builds what it will run.
     ``micro_batches`` only matters to schedules whose placement depends on it (none built in).
+    ``"auto"`` builds Megatron's own layout (V from its virtual-pipeline size), which the planner
+    then schedules.
     Each chunk is built under ``torch.manual_seed(seed + stage)`` and tagged with its stage and
     what it was built for.
     """
     config = chosen_config(schedule, options, "build_model_chunks")
+    built_for = (config.schedule, dict(config.options))
+    if config.planned:
+        # "auto" plans among the schedules that run Megatron's own layout (ds_chimera.megatron.auto)
+        virtual = virtual_pipeline_size()
+        config = PipelineConfig.from_megatron("interleaved", {"chunks": virtual}) if virtual and virtual > 1 \
+            else PipelineConfig.from_megatron("1f1b", {})
     group = pipeline_group()
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     placement = config.build_schedule(size, micro_batches or 4 * size).placement
@@ -142,7 +150,7 @@ def build_model_chunks(model_provider, schedule: str | None = None, *, micro_bat
             torch.manual_seed(seed + stage)
             chunk = _call_provider(model_provider, stage == 0, stage == total - 1, vp_stage)
         chunk._ds_chimera_stage = stage
-        chunk._ds_chimera_built_for = (config.schedule, dict(config.options))
+        chunk._ds_chimera_built_for = built_for
         chunks.append(chunk)
     _broadcast_replicas(chunks, placement, rank, group)
     return chunks

@@ -16,6 +16,8 @@ def cut(layers: list, num_stages: int, method: str) -> list:
     """Layer boundaries (``num_stages + 1`` indices, DeepSpeed's ``parts``) of ``layers`` (LayerCosts)."""
     if len(layers) < num_stages:
         raise ValueError(f"{len(layers)} layers cannot fill {num_stages} stages")
+    if len(layers) == num_stages:       # one layer per stage (Megatron's built chunks): every method agrees
+        return list(range(num_stages + 1))
     if method == "time":
         return balanced_cut([layer.fwd + layer.bwd for layer in layers], num_stages)
     from deepspeed.runtime import utils as ds_utils     # DeepSpeed's methods, exactly as its engine cuts

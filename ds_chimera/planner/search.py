@@ -199,11 +199,13 @@ def _compute_bound(placement, stage_time: list) -> float:
 
 
 def plan(profile: Profile, setting: Setting, budget: Budget = Budget(), cuts=CUT_METHODS,
-         exhaustive: bool = False, only=None) -> PlanResult:
+         exhaustive: bool = False, only=None, accept=None) -> PlanResult:
     """Search schedules x options x cuts; return the fastest that fits ``budget`` and every candidate's fate.
 
     ``exhaustive``: simulate every candidate that fits (the sweep the benchmark compares with), not
     only those whose bound can beat the best. ``only``: restrict to these schedule names.
+    ``accept(placed_schedule)``: None if the job can run that placement, else why not (Megatron's
+    chunks, already built, fix which stages each rank holds).
     """
     begin = time.perf_counter()
     layers = list(profile.layers)
@@ -223,6 +225,10 @@ def plan(profile: Profile, setting: Setting, budget: Budget = Budget(), cuts=CUT
         except ValueError as exc:
             candidates.append(Candidate(cls.name, dict(options), "-", excluded=str(exc)))
             continue
+        why = accept(placed) if accept is not None else None
+        if why:
+            candidates.append(Candidate(cls.name, dict(options), "-", excluded=why))
+            continue
         num_stages = placed.placement.num_stages
         for method in cuts:
             key = (num_stages, method)
@@ -241,7 +247,7 @@ def plan(profile: Profile, setting: Setting, budget: Budget = Budget(), cuts=CUT
                 continue
             parts, sc = entry
             cand.parts = list(parts)
-            if setting.checkpoint_interval and _splits_backward(cls, options):
+            if setting.checkpoint_interval and splits_backward(cls, options):
                 cand.excluded = ("activation checkpointing: a split backward recomputes each checkpointed block "
                                  "twice (docs/limits.md)")
                 continue
@@ -306,7 +312,8 @@ def _check_setting(schedule, setting: Setting) -> None:
     PipelineConfig(schedule=schedule.name, zero_stage=setting.zero).check_schedule(schedule)
 
 
-def _splits_backward(cls, options: dict) -> bool:
+def splits_backward(cls, options: dict) -> bool:
+    """The schedule (with these options) runs input- and weight-gradient passes apart."""
     return cls.name in ("zb-h1", "zbv", "dualpipev") or options.get("order") == "zero-bubble"
 
 

@@ -192,6 +192,45 @@ def run_case(schedule, options, pp, loss_form, rank, world, grads="grad"):
             "finalize_calls": len(calls)}
 
 
+def run_auto(out_dir: str, rank: int, world: int) -> dict:
+    """"auto": the first call runs the layout's schedule timed, then the planner's choice; the gradients of both
+    calls (same weights, no optimizer step between) are the same, and every rank chose the same. Megatron's own
+    layout (one chunk per rank), and Chimera's chunks profiled under the merged order with a budget only concat
+    meets (a switch of schedule)."""
+    from megatron.core import parallel_state
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=4)
+    out = {}
+    for label, built, options in (("layout", ("auto", {}), {}),
+                                  ("chimera", ("chimera", {"order": "merged"}), {"max_activations": 4})):
+        plan_file = os.path.join(out_dir, f"megatron_plan_{label}.json")
+        fb = dsm.get_forward_backward_func("auto", timeout=60, plan_file=plan_file, **options)
+        chunks = dsm.build_model_chunks(provider_for(gpt_config(4, None)), built[0], **built[1])
+        batches = [micro_batch(0, mb) for mb in range(N)]
+        grads = []
+        for _ in range(2):
+            for chunk in chunks:
+                chunk.zero_grad(set_to_none=True)
+            fb(forward_step_func=forward_step_for(2), data_iterator=iter(batches), model=chunks,
+               num_microbatches=N, seq_length=SEQ, micro_batch_size=MBS)
+            grads.append([p.grad.clone() for chunk in chunks for p in chunk.parameters()])
+        runner = fb.runner
+        # another micro-batch count plans again from the same profile, without profiling again
+        fb(forward_step_func=forward_step_for(2), data_iterator=iter(batches[:4]), model=chunks,
+           num_microbatches=4, seq_length=SEQ, micro_batch_size=MBS)
+        dist.barrier()
+        out[label] = {"profiled_with": [runner.layout.schedule, dict(runner.layout.options)],
+                      "chosen": {n: [runner.decisions[(4, n)].schedule, dict(runner.decisions[(4, n)].options)]
+                                 for n in (N, 4)},
+                      "grad_diff": max((a - b).abs().max().item() for a, b in zip(*grads)),
+                      "grad_norm": sum(g.double().pow(2).sum().item() for g in grads[1]) ** 0.5,
+                      "report": runner.reports[(4, N)],
+                      "stage_fwd": [layer.fwd for layer in runner.profile.layers],
+                      "stage_wgrad": [layer.wgrad for layer in runner.profile.layers],
+                      "plan_file": json.load(open(plan_file)) if rank == 0 else None}
+    return {"auto": out}
+
+
 def megatrons_own_dicts(model, forward_step, batches):
     """Megatron-Core's own schedule (no pipelining, one whole model) on this rank's micro-batches: the
     loss dicts it returns for training and for forward only. Its one CUDA allocation is kept on CPU."""
@@ -381,6 +420,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     dsm.enable_cpu()
     results = [run_case(*case[:4], rank, world, *case[4:]) for case in CASES]
+    results.append(run_auto(out_dir, rank, world))
     results.append(run_dist_checkpoints(out_dir, rank))
     results.append(run_refusals())
     results.append(run_installed(rank, world))

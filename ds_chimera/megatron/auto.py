@@ -1,0 +1,260 @@
+"""``"auto"`` on Megatron: time the first training call, then run the fastest schedule for the chunks as built.
+
+Megatron builds the model chunks before the first ``forward_backward_func`` call, so which
+stages each rank holds (and every weight) is fixed by then: Megatron's own layout (stage
+v*D + r on rank r) or what ``build_model_chunks`` built. The planner therefore chooses among
+the schedules that run that same placement (1F1B, GPipe, ZB-H1 on one chunk per rank;
+interleaved and breadth-first on V; Chimera's orders on Chimera's chunks), all synchronous
+and numerically the same training, so switching after the first call changes nothing but
+speed and memory.
+
+The first training call runs the layout's reference schedule (ZB-H1 where the config can
+split the backward, so the weight-gradient time is measured too; 1F1B otherwise; the
+built-for schedule for tagged chunks) with each action timed. Every rank's times go to its
+pipeline's first rank; global rank 0's pipeline is the profile, the links are measured on
+every rank together, and the profile is broadcast so that every rank plans the same choice
+(the planner is deterministic). A later call with another ``num_microbatches`` plans again
+from the same profile. The activation budget defaults to the reference schedule's peak
+(Megatron's own schedule's), so "auto" never holds more micro-batches than it would.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from ..config import PipelineConfig
+from ..logs import get_logger
+from ..planner.profile import LayerCost, Profile
+from ..planner.search import Budget, Setting, plan, splits_backward
+from ..schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, activation_peaks
+from .chunk_checks import check_split_backward
+from .model_chunk import model_config, unwrap
+
+log = get_logger()
+BUILT_FOR_AUTO = "auto"
+
+
+def layout_schedule(chunks: list, config, size: int) -> PipelineConfig:
+    """The schedule that runs the chunks as built and times the first call (see the module doc)."""
+    built = getattr(chunks[0], "_ds_chimera_built_for", getattr(unwrap(chunks[0]), "_ds_chimera_built_for", None))
+    if built is not None and built[0] != BUILT_FOR_AUTO:
+        return PipelineConfig.from_megatron(built[0], dict(built[1]), where="build_model_chunks")
+    if len(chunks) > 1:
+        return PipelineConfig.from_megatron("interleaved", {"chunks": len(chunks)}, where="auto")
+    try:
+        check_split_backward(PipelineConfig(schedule="zb-h1").build_schedule(size, max(2, size)), config, 0)
+    except ValueError:
+        return PipelineConfig.from_megatron("1f1b", {}, where="auto")
+    return PipelineConfig.from_megatron("zb-h1", {}, where="auto")
+
+
+def reference_schedule(layout: PipelineConfig) -> PipelineConfig:
+    """Whose activation peak is the default budget: Megatron's own schedule for its layouts (1F1B for ZB-H1)."""
+    return PipelineConfig(schedule="1f1b") if layout.schedule == "zb-h1" else layout
+
+
+def rank_stages(placement) -> tuple:
+    """Each rank's stages in chunk order: what the built chunks fix."""
+    return tuple(tuple(placement.chunks[c].stage for c in placement.chunks_on(r)) for r in range(placement.num_ranks))
+
+
+def stage_times(records: list, placement) -> dict:
+    """{stage: {kind: [seconds]}} from one call's action records (rank, kind, chunk, mb, start, end)."""
+    out: dict = {}
+    for _, kind, chunk, _, start, end in records:
+        stage = placement.chunks[chunk].stage
+        out.setdefault(stage, {}).setdefault(str(kind), []).append(end - start)
+    return out
+
+
+def stage_cost(stage: int, times: dict, params: int, param_bytes: int, out_bytes: int) -> LayerCost:
+    """One stage's LayerCost from its actions' medians; ``wgrad`` is -1 where the backward was not split."""
+    med = {kind: statistics.median(values) for kind, values in times.items()}
+    fwd = med.get(str(FORWARD), 0.0)
+    if str(WEIGHT_GRAD) in med:
+        wgrad = med[str(WEIGHT_GRAD)]
+        bwd = med.get(str(INPUT_GRAD), med.get(str(BACKWARD), 0.0)) + wgrad
+    else:
+        wgrad, bwd = -1.0, med.get(str(BACKWARD), med.get(str(INPUT_GRAD), 0.0))
+    return LayerCost(name=f"stage {stage}", fwd=fwd, bwd=bwd, wgrad=wgrad, activation_bytes=0,
+                     output_bytes=out_bytes, param_bytes=param_bytes, params=params)
+
+
+def sent_bytes(p2p) -> int:
+    """The largest message this rank sent in the call (the shapes the transport recorded per edge)."""
+    largest = 0
+    for meta in p2p.sent_meta.values():
+        largest = max(largest, sum(torch.empty((), dtype=dtype).element_size() * _numel(shape)
+                                   for dtype, _, shape in meta))
+    return largest
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+class AutoRunner:
+    """Megatron's forward-backward contract under ``"auto"``: profile the first training call, then plan."""
+
+    def __init__(self, config: PipelineConfig):
+        from .runner import ScheduleRunner
+        self.config = config
+        self.options = dict(config.options)
+        self._runner_class = ScheduleRunner
+        self.layout = None              # PipelineConfig of the chunks' schedule (runs until the plan)
+        self.profile = None             # Profile of the stages, the same on every rank
+        self.decisions: dict = {}       # (pipeline size, num_microbatches) -> PipelineConfig
+        self.reports: dict = {}         # ... -> the planner's report (text)
+        self._runners: dict = {}
+        self.fixed = None               # each rank's stages, as the chunks were built
+        self.plans: list = []           # rank 0: what plan_file holds
+
+    def _runner(self, config: PipelineConfig):
+        key = (config.schedule, json.dumps(dict(config.options), sort_keys=True))
+        if key not in self._runners:
+            self._runners[key] = self._runner_class(PipelineConfig(schedule=config.schedule, options=config.options,
+                                                                   timeout_s=self.config.timeout_s))
+        return self._runners[key]
+
+    def __call__(self, **kwargs):
+        chunks = kwargs["model"]
+        chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+        group = _pipeline_group(kwargs.get("pg_collection"))
+        size = dist.get_world_size(group)
+        if self.layout is None:
+            self.layout = layout_schedule(chunks, model_config(chunks[0]), size)
+        n = kwargs["num_microbatches"]
+        if self.profile is None:
+            runner = self._runner(self.layout)
+            if kwargs.get("forward_only"):          # evaluation before any training: the layout's schedule
+                return runner(**kwargs)
+            runner.trace_next = True
+            result = runner(**kwargs)
+            self.fixed = rank_stages(runner.last_schedule.placement)
+            self.profile = self._measure(runner, chunks, group, size, n)
+            self._decision(size, n)                  # planned now, so the report follows the first step
+            return result
+        return self._runner(self._decision(size, n))(**kwargs)
+
+    def _decision(self, size: int, n: int) -> PipelineConfig:
+        if (size, n) not in self.decisions:
+            self.decisions[(size, n)] = self._plan(size, n)
+        return self.decisions[(size, n)]
+
+    # ---- profile ---------------------------------------------------------------------------
+    def _measure(self, runner, chunks, group, size: int, n: int) -> Profile:
+        """The stages' costs from the timed call, gathered to every rank; the links measured by all."""
+        from ..planner.deepspeed import _local_ranks
+        from ..planner.links import measure_links
+        schedule = runner.last_schedule
+        placement = schedule.placement
+        local = placement.chunks_on(runner.rank)
+        mine = {"times": stage_times(runner.last_records, placement),
+                "params": {placement.chunks[c].stage: _param_counts(chunk) for c, chunk in zip(local, chunks)},
+                "sent": sent_bytes(runner.p2p)}
+        gathered = [None] * size
+        dist.all_gather_object(gathered, mine, group=group)
+        payload = [None]
+        if dist.get_rank() == 0:
+            times: dict = {}
+            params: dict = {}
+            for part in gathered:
+                for stage, kinds in part["times"].items():
+                    for kind, values in kinds.items():
+                        times.setdefault(stage, {}).setdefault(kind, []).extend(values)
+                params.update(part["params"])
+            out_bytes = max(part["sent"] for part in gathered)
+            layers = tuple(stage_cost(s, times[s], *params[s], out_bytes) for s in range(placement.num_stages))
+            payload[0] = Profile(layers, micro_batch_size=1, device=str(_device(chunks)),
+                                 meta={"profiled_with": self.layout.schedule, "micro_batches": n}).to_json()
+        dist.broadcast_object_list(payload, src=0)
+        profile = Profile.from_json(payload[0])
+        ranks = _group_ranks(group)
+        stage_fwd = sum(layer.fwd for layer in profile.layers) / max(1, size)
+        first = [None]
+        if dist.get_rank() == 0:
+            first[0] = ranks[:2] if len(ranks) > 1 else ranks * 2
+        dist.broadcast_object_list(first, src=0)
+        links = measure_links(dist, first[0][0], first[0][1], None, _device(chunks),
+                              big_bytes=max(profile.layers[0].output_bytes, 1024),
+                              reduce_bytes=max(max(layer.param_bytes for layer in profile.layers), 1024),
+                              idle_s=min(max(stage_fwd, 1e-3), 0.05), same_host=_local_ranks() >= 2)
+        return Profile(profile.layers, links, profile.micro_batch_size, profile.device,
+                       profile.optimizer_state_bytes_per_param, profile.meta)
+
+    # ---- plan ------------------------------------------------------------------------------
+    def _plan(self, size: int, n: int) -> PipelineConfig:
+        """The fastest schedule on the profile that runs the built placement within the activation budget."""
+        fixed = self.fixed
+        w_measured = all(layer.wgrad >= 0 for layer in self.profile.layers)
+
+        def accept(placed):
+            if rank_stages(placed.placement) != fixed:
+                return (f"places stages {list(map(list, rank_stages(placed.placement)))} on the ranks; the chunks "
+                        f"were built as {list(map(list, fixed))}")
+            if splits_backward(type(placed), placed.config) and not w_measured:
+                return (f"splits the backward, which the chunks' config does not allow (or the first call, run "
+                        f"under {self.layout.schedule}, did not time the weight gradient apart)")
+            return None
+
+        limit = self.options.get("max_activations")
+        if limit is None:
+            reference = reference_schedule(self.layout)
+            try:
+                limit = max(activation_peaks(reference.build_schedule(size, n).orders))
+            except ValueError:
+                limit = min(size, n)
+        layers = tuple(layer if layer.wgrad >= 0 else _unsplit(layer) for layer in self.profile.layers)
+        profile = Profile(layers, self.profile.links, meta=self.profile.meta)
+        setting = Setting(stages=size, micro_batches=n)
+        result = plan(profile, setting, Budget(max_activations=limit), cuts=("uniform",), accept=accept)
+        result.notes.append("Megatron's chunks are built: every candidate holds the same weights, so memory is "
+                            "compared in micro-batches of activations (their bytes are not measured here)")
+        report = result.report()
+        self.reports[(size, n)] = report
+        if result.chosen is None:
+            raise ValueError(f"schedule auto on Megatron: {result.why_nothing()}")
+        chosen = PipelineConfig(schedule=result.chosen.schedule, options=dict(result.chosen.options),
+                                timeout_s=self.config.timeout_s)
+        if dist.get_rank() == 0:
+            log.info("schedule auto (Megatron, profiled under %s):\n%s", self.layout.schedule, report)
+            self.plans.append({"pipeline_size": size, "num_microbatches": n, "schedule": chosen.schedule,
+                               "options": dict(chosen.options), "predicted_step_s": result.chosen.step_s})
+            path = self.options.get("plan_file")
+            if path:      # every plan so far; --pipeline-schedule NAME --pipeline-schedule-options JSON reruns one
+                from ..atomic import write_text_atomic
+                write_text_atomic(os.fspath(path), json.dumps({"plans": self.plans}, indent=1) + "\n")
+        return chosen
+
+
+def _unsplit(layer: LayerCost) -> LayerCost:
+    """A stage whose weight-gradient time is unmeasured: priced unsplit (split candidates are refused)."""
+    from dataclasses import replace
+    return replace(layer, wgrad=0.0)
+
+
+def _param_counts(chunk) -> tuple:
+    params = [p for p in chunk.parameters() if p.requires_grad]
+    return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
+
+
+def _device(chunks):
+    return next((p.device for chunk in chunks for p in chunk.parameters()), torch.device("cpu"))
+
+
+def _pipeline_group(pg_collection):
+    from .stages import pipeline_group
+    if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
+        return pg_collection.pp
+    return pipeline_group()
+
+
+def _group_ranks(group) -> list:
+    return dist.get_process_group_ranks(group) if group is not dist.group.WORLD else list(range(dist.get_world_size()))
