@@ -196,10 +196,8 @@ class PipelineConfig:
             raise ValueError('"pipeline": reshard_after_forward applies to ZeRO stage 3 only; this config runs '
                              f"ZeRO stage {zero}")
         if name == AUTO:
-            if not sharding:
-                raise ValueError('"schedule": "auto" (the planner) runs from deepspeed.initialize with a PipelineModule '
-                                 "and its training_data; the HF Trainer's path takes a schedule name for now (e.g. "
-                                 '"chimera"; `ds-chimera plan --profile FILE` ranks them)')
+            # the planner runs at initialize (deepspeed.initialize, or the HF Trainer's engine build); its own
+            # keys are checked now, before any work
             _check_planner_options(options)
         parts = _parts(runtime["parts"]) if "parts" in runtime else None
         if parts is not None and runtime.get("partition_method") is not None:

@@ -255,6 +255,79 @@ def test_resolve_refuses_arguments_the_pipeline_would_ignore(attr, value):
         resolve(pipe_config(), args(train_sampling_strategy="group_by_length"), world_size=4)
 
 
+def test_schedule_auto_is_taken_and_what_the_planner_cannot_fix_is_refused_at_setup():
+    """"auto" on the HF path: its planner keys are checked, schedule checks wait for the plan; an asynchronous
+    choice for a tied model, and fewer layers than pipeline ranks, are refused before any work."""
+    from ds_chimera.hf.checks import check_model_fits
+    setup = resolve(pipe_config(pipeline={"schedule": "auto", "max_activations": 4}), Args(), world_size=4)
+    assert setup.pipeline.planned and setup.options == {"max_activations": 4}
+    for model in (gpt2(), llama()):
+        assert check_model_fits(describe(model), setup, 4) is None
+    with pytest.raises(ValueError, match="max_activations must be a number of micro-batches >= 1"):
+        resolve(pipe_config(pipeline={"schedule": "auto", "max_activations": 0}), Args(), world_size=4)
+    with pytest.raises(ValueError, match="unknown key 'chunks'"):
+        resolve(pipe_config(pipeline={"schedule": "auto", "chunks": 2}), Args(), world_size=4)
+    lets_async = resolve(pipe_config(pipeline={"schedule": "auto", "allow_asynchronous": True}), Args(), world_size=4)
+    assert check_model_fits(describe(llama()), lets_async, 4) is None           # untied: the planner may choose one
+    for tied in (gpt2(), llama(tied=True)):
+        with pytest.raises(ValueError, match="allow_asynchronous") as info:
+            check_model_fits(describe(tied), lets_async, 4)
+        assert "cannot keep" in str(info.value) and "tied embedding and head equal" in str(info.value)
+    eight = resolve({"pipeline": {"schedule": "auto"}}, args(gradient_accumulation_steps=8), world_size=8)
+    with pytest.raises(ValueError, match="has only 6 \\(embedding, 3 blocks, final norm, head\\); use a model with "
+                                         "at least 5 decoder blocks, or fewer ranks per pipeline: "
+                                         "\"pipeline\": {\"stages\": 4}"):
+        check_model_fits(describe(gpt2()), eight, 8)
+
+
+def test_the_planners_micro_batch_leaves_every_random_stream_alone():
+    """The first micro-batch for "auto" (per_device_train_batch_size rows of the first batch, as the engine's
+    pair), read without moving torch's, Python's or NumPy's stream; the eval data without a train dataset."""
+    import random
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from ds_chimera.config import PipelineConfig
+    from ds_chimera.hf.build import profile_micro_batch
+
+    def collate(rows):
+        random.random(), np.random.rand(), torch.rand(1)           # a collator that draws from all three
+        return {"input_ids": torch.stack(rows), "labels": torch.stack(rows)}
+
+    rows = torch.arange(40).reshape(8, 5)
+
+    def loader(data):
+        return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, collate_fn=collate)
+
+    pipeline = PipelineConfig.from_deepspeed({"train_batch_size": 8, "pipeline": {"schedule": "auto"}}, sharding=False)
+    trainer = SimpleNamespace(setup=SimpleNamespace(pipeline=pipeline, micro_batch=2), train_dataset=list(rows),
+                              eval_dataset=None, get_train_dataloader=lambda: loader(trainer.train_dataset),
+                              get_eval_dataloader=lambda name=None: loader(trainer.eval_dataset),
+                              _uses_mask=lambda batch: False)
+
+    def draws():
+        return torch.rand(1).item(), random.random(), np.random.rand()
+
+    def seed():
+        torch.manual_seed(5), random.seed(5), np.random.seed(5)
+
+    seed()
+    expected = draws()
+    seed()
+    inputs, (labels, weight, tag) = profile_micro_batch(trainer)
+    assert draws() == expected
+    seed()
+    first = next(iter(loader(trainer.train_dataset)))["input_ids"]
+    assert torch.equal(inputs, first[:2]) and torch.equal(labels, first[:2])       # the batch training starts with
+    assert weight.item() == pytest.approx(1 / 8) and tag.item() == -1             # 2 rows x 4 shifted targets
+    trainer.train_dataset, trainer.eval_dataset = None, list(rows[:1])
+    assert profile_micro_batch(trainer)[0].shape == (1, 5)                         # fewer rows than a micro-batch
+    trainer.eval_dataset = None
+    with pytest.raises(ValueError, match="neither a train_dataset nor an eval_dataset"):
+        profile_micro_batch(trainer)
+
+
 def test_micro_batch_weights_make_the_engines_mean_the_trainers_loss():
     """Engine loss = mean over N x dp of (summed token loss x weight); it must be HF's loss for the step."""
     from ds_chimera.hf.data import eval_micro_batches, train_micro_batches

@@ -133,6 +133,7 @@ def test_auto_times_the_first_call_then_runs_the_fastest_schedule_for_the_built_
         if rank == 0:
             assert [p["num_microbatches"] for p in chimera["plan_file"]["plans"]] == [8, 4]
             assert chimera["plan_file"]["plans"][0]["options"] == {"pipelines": 1, "order": "concat"}
+        assert auto["rerun"] == {"profiled": False, "chosen": chimera["chosen"]["8"]}     # the plan_file, as written
         assert chimera["chosen"] == next(r["auto"] for r in contract_results[0] if "auto" in r)["chimera"]["chosen"]
         assert layout["chosen"] == next(r["auto"] for r in contract_results[0] if "auto" in r)["layout"]["chosen"]
 

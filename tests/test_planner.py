@@ -257,6 +257,11 @@ def test_planner_keys_are_checked_before_any_work(section, message):
     assert message in str(info.value)
 
 
-def test_auto_is_refused_where_it_cannot_plan_yet():
-    with pytest.raises(ValueError, match="HF Trainer's path takes a schedule name"):
-        PipelineConfig.from_deepspeed({"train_batch_size": 8, "pipeline": {"schedule": "auto"}}, sharding=False)
+def test_the_hf_trainers_path_takes_auto_with_its_keys_checked():
+    """sharding=False (the HF Trainer's parse) plans too; the planner's keys are checked as anywhere."""
+    pipeline = PipelineConfig.from_deepspeed({"train_batch_size": 8, "pipeline": {"schedule": "auto"}}, sharding=False)
+    assert pipeline.planned
+    with pytest.raises(ValueError, match="allow_asynchronous must be true or false, got 'yes'"):
+        PipelineConfig.from_deepspeed({"train_batch_size": 8, "pipeline": {"schedule": "auto",
+                                                                           "allow_asynchronous": "yes"}},
+                                      sharding=False)

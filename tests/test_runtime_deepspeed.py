@@ -256,6 +256,7 @@ def test_auto_trains_exactly_like_the_schedule_it_chose(results):
     r = results["auto-plan"]
     assert all(chosen == r["chosen"] for chosen in r["every_rank"])
     assert r["written"] == r["chosen"] and r["chosen"]["schedule"] != "auto"
+    assert r["rerun"] == r["chosen"]          # a later start with the plan_file runs it, without data to profile
     assert len(r["chosen"]["parts"]) >= 5 and r["chosen"]["parts"][-1] == 9     # 9 layers, >= 4 stages
     assert r["compared_tensors"] > 0 and r["engine_diff"] == 0.0
     assert r["auto_losses"] == r["named_losses"]

@@ -16,8 +16,10 @@ def _stages_of(name: str, ranks: int, micro_batches: int, options: dict):
 
 
 def check_model_fits(layout, setup, world: int):
-    """The schedule of ``setup``, once the model has a layer for each of its stages; else a ValueError that
-    says how many decoder blocks, or which pipeline sizes, would work."""
+    """The schedule of ``setup`` (None for ``"auto"``, planned later), once the model has a layer for each of
+    its stages; else a ValueError that says how many decoder blocks, or which pipeline sizes, would work."""
+    if setup.pipeline.planned:
+        return check_planned(layout, setup, world)
     options = setup.options
     schedule = setup.pipeline.build_schedule(setup.stages, setup.micro_batches)
     need, have = schedule.placement.num_stages, len(layout.layers)
@@ -39,6 +41,27 @@ def check_model_fits(layout, setup, world: int):
                      f"({need // setup.stages} per rank), but {layout.model_class} with {blocks} decoder blocks has "
                      f"only {have} pipeline layers (embedding, {blocks} blocks, final norm, head); use a model with "
                      f"at least {blocks + need - have} decoder blocks, {instead}")
+
+
+def check_planned(layout, setup, world: int) -> None:
+    """``"schedule": "auto"``: what the planner cannot fix, refused now. The planner picks only schedules that
+    build for these ranks and micro-batches, and the engine checks its choice again; the fewest stages any
+    schedule cuts is one per pipeline rank."""
+    if layout.tied and setup.options.get("allow_asynchronous"):
+        raise ValueError(f"\"pipeline\": {{\"schedule\": \"auto\", \"allow_asynchronous\": true}} lets the planner "
+                         f"choose an asynchronous schedule, which updates stages on their own clocks and cannot keep "
+                         f"{layout.model_class}'s tied embedding and head equal; drop allow_asynchronous (or set it "
+                         f"false) or use a model with tie_word_embeddings=False")
+    have = len(layout.layers)
+    if have < setup.stages:
+        blocks = sum(1 for layer in layout.layers if layer.kind == "block")
+        fits = [ranks for ranks in _divisors(world) if ranks <= have]
+        raise ValueError(f"\"schedule\": \"auto\" on {setup.stages} pipeline ranks needs at least one pipeline "
+                         f"layer per rank, but {layout.model_class} with {blocks} decoder blocks has only {have} "
+                         f"(embedding, {blocks} blocks, final norm, head); use a model with at least "
+                         f"{blocks + setup.stages - have} decoder blocks, or fewer ranks per pipeline: "
+                         f"\"pipeline\": {{\"stages\": {fits[-1]}}} ({world // fits[-1]} data-parallel replicas on "
+                         f"{world} ranks)")
 
 
 def check_trainable(model) -> None:

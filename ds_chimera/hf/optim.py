@@ -49,6 +49,7 @@ def chunk_optimizer_factory(hf_optimizer, hf_model, names_of):
         groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": bucket}
                   for group, bucket in zip(hf_optimizer.param_groups, buckets) if bucket]
         return rebuild_optimizer(hf_optimizer, groups)
+    make.template = hf_optimizer        # what it rebuilds (the planner prices its state per parameter)
     return make
 
 

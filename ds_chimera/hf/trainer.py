@@ -28,7 +28,7 @@ from transformers import Trainer
 
 from .accel import OneProcessView
 from .args import pipeline_config_of, true_ranks
-from .build import build_engine
+from .build import build_engine, profile_micro_batch
 from .checkpoint import begin, commit, load_pipeline_state, save_pipeline_state
 from .checks import check_model_fits, check_trainable
 from .config import resolve
@@ -151,8 +151,11 @@ class PipelineTrainer(Trainer):
     def _ensure_engine(self, max_steps: int | None = None):
         """Build the PipelineModule and engine once (collective: every rank)."""
         if self.engine is None:
+            # "schedule": "auto": the planner times the layers on the data's first micro-batch, read from the
+            # data side's random stream (as training will read it) and leaving it where it was
+            profile = profile_micro_batch(self) if self.setup.pipeline.planned else None
             with self.compute_rng.active():
-                self.engine = build_engine(self, max_steps)
+                self.engine = build_engine(self, max_steps, profile)
             self.optimizer = EngineStepped(self.engine.optimizer)
             self.model_wrapped = self.engine
         return self.engine

@@ -81,16 +81,19 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     return _initialize_pipeline(original, call, PipelineConfig.from_deepspeed(loaded), loaded)
 
 
-def initialize_pipeline(pipeline, model, config: dict, optimizer=None, **kwargs):
+def initialize_pipeline(pipeline, model, config: dict, optimizer=None, profile_batch=None, **kwargs):
     """``deepspeed.initialize(model=model, config=config, ...)`` with ``pipeline`` already parsed from
-    ``config`` (the HF Trainer's path, whose TrainingArguments were reconciled into it)."""
+    ``config`` (the HF Trainer's path, whose TrainingArguments were reconciled into it).
+
+    ``profile_batch``: for ``"schedule": "auto"``, the (inputs, labels) micro-batch the planner times the
+    layers on (rank 0's is used), in place of ``training_data``'s first."""
     import deepspeed
     original = _ORIGINAL.get("initialize", deepspeed.initialize)
     call = dict(model=model, config=config, optimizer=optimizer, **kwargs)
-    return _initialize_pipeline(original, call, pipeline, config)
+    return _initialize_pipeline(original, call, pipeline, config, profile_batch)
 
 
-def _initialize_pipeline(original, call: dict, pipeline, loaded: dict):
+def _initialize_pipeline(original, call: dict, pipeline, loaded: dict, profile_batch=None):
     """Build the schedule's chunks on the PipelineModule, then DeepSpeed's engine of our class."""
     from ..runtime.engine import ScheduledPipelineEngine
     from ..runtime.setup import prepare_module
@@ -98,7 +101,8 @@ def _initialize_pipeline(original, call: dict, pipeline, loaded: dict):
         call.get("args")
     if pipeline.planned:      # "schedule": "auto": profile the layers on the first micro-batch, plan, then go on
         from ..planner.deepspeed import resolve
-        pipeline = resolve(model, pipeline, loaded, call.get("training_data"), call.get("collate_fn"), optimizer)
+        pipeline = resolve(model, pipeline, loaded, call.get("training_data"), call.get("collate_fn"), optimizer,
+                           micro_batch=profile_batch)
     model_parameters = prepare_module(model, pipeline, call.get("model_parameters"))
     rebound = _rebind_optimizer(optimizer, model)
     if rebound is not optimizer and lr_scheduler is not None and not callable(lr_scheduler):

@@ -112,9 +112,11 @@ class AutoRunner:
         self.profile = None             # Profile of the stages, the same on every rank
         self.decisions: dict = {}       # (pipeline size, num_microbatches) -> PipelineConfig
         self.reports: dict = {}         # ... -> the planner's report (text)
+        self.predicted: dict = {}       # ... -> the chosen schedule's predicted step (seconds)
         self._runners: dict = {}
         self.fixed = None               # each rank's stages, as the chunks were built
         self.plans: list = []           # rank 0: what plan_file holds
+        self._plans_read = False
 
     def _runner(self, config: PipelineConfig):
         key = (config.schedule, json.dumps(dict(config.options), sort_keys=True))
@@ -131,6 +133,10 @@ class AutoRunner:
         if self.layout is None:
             self.layout = layout_schedule(chunks, model_config(chunks[0]), size)
         n = kwargs["num_microbatches"]
+        if not self._plans_read:
+            self._read_plans()
+        if (size, n) in self.decisions:
+            return self._runner(self.decisions[(size, n)])(**kwargs)
         if self.profile is None:
             runner = self._runner(self.layout)
             if kwargs.get("forward_only"):          # evaluation before any training: the layout's schedule
@@ -142,6 +148,33 @@ class AutoRunner:
             self._decision(size, n)                  # planned now, so the report follows the first step
             return result
         return self._runner(self._decision(size, n))(**kwargs)
+
+    def _read_plans(self) -> None:
+        """Plans an earlier run wrote to ``plan_file`` (rank 0 reads, every rank gets them): a rerun, or a
+        resume, runs them as written, without profiling; other shapes are planned as usual."""
+        self._plans_read = True
+        path = self.options.get("plan_file")
+        if not path:
+            return
+        found = [None]
+        if dist.get_rank() == 0 and os.path.exists(path):
+            try:
+                with open(path) as fh:
+                    found[0] = json.load(fh)["plans"]
+                found[0] = [(int(p["pipeline_size"]), int(p["num_microbatches"]), str(p["schedule"]),
+                             dict(p["options"]), p.get("predicted_step_s")) for p in found[0]]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                found[0] = f"plan_file {str(path)!r} is not a plan this planner wrote ({exc}); delete it to plan again"
+        dist.broadcast_object_list(found, src=0)
+        if isinstance(found[0], str):
+            raise ValueError(found[0])
+        for size, n, schedule, options, predicted in found[0] or ():
+            self.decisions[(size, n)] = PipelineConfig.from_megatron(schedule, {**options,
+                                                                               "timeout": self.config.timeout_s})
+            self.plans.append({"pipeline_size": size, "num_microbatches": n, "schedule": schedule,
+                               "options": options, "predicted_step_s": predicted})
+        if found[0] and dist.get_rank() == 0:
+            log.info("schedule auto (Megatron): running the plans in %s (delete the file to plan again)", path)
 
     def _decision(self, size: int, n: int) -> PipelineConfig:
         if (size, n) not in self.decisions:
@@ -223,6 +256,7 @@ class AutoRunner:
             raise ValueError(f"schedule auto on Megatron: {result.why_nothing()}")
         chosen = PipelineConfig(schedule=result.chosen.schedule, options=dict(result.chosen.options),
                                 timeout_s=self.config.timeout_s)
+        self.predicted[(size, n)] = result.chosen.step_s
         if dist.get_rank() == 0:
             log.info("schedule auto (Megatron, profiled under %s):\n%s", self.layout.schedule, report)
             self.plans.append({"pipeline_size": size, "num_microbatches": n, "schedule": chosen.schedule,

@@ -1,7 +1,8 @@
 """``"pipeline": {"schedule": "auto"}`` in ``deepspeed.initialize``: profile, plan, then run the choice.
 
 When: at ``initialize``, before any layer is rebuilt, on the first micro-batch of the
-``training_data`` the script passes (as DeepSpeed's own pipeline examples do). A script that
+``training_data`` the script passes (as DeepSpeed's own pipeline examples do), or on the
+``micro_batch`` its caller took (the HF Trainer: the first batch of its dataloader). A script that
 passes no ``training_data`` names a ``profile_file`` written by an earlier run, or is told how.
 
 Where: global rank 0 (a first stage's device) times the layers, one built at a time, on that
@@ -27,34 +28,44 @@ OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "fusedadam": 8, "cpuadam": 8, "l
                          "adagrad": 4, "sgd": 0}
 
 
-def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None, optimizer=None):
-    """The PipelineConfig with ``auto`` replaced by the planner's choice (every rank, same answer)."""
+def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None, optimizer=None, micro_batch=None):
+    """The PipelineConfig with ``auto`` replaced by the planner's choice (every rank, same answer).
+
+    ``micro_batch``: the (inputs, labels) pair to profile on, instead of the first micro-batch of
+    ``training_data`` (only rank 0's is used)."""
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
     from .links import measure_links
     options = dict(pipeline.options)
+    rank = dist.get_rank()
+    reused = _saved_plan(options.get("plan_file"), dist)
+    if reused is not None:            # a rerun (a resume) runs what the first run chose, without planning again
+        log.info("schedule auto: running the plan in %s (delete the file to plan again): %s",
+                 options["plan_file"], reused)
+        module._ds_chimera_auto = {"pipeline": reused, "step_s": None, "peak_bytes": None,
+                                   "plan_file": str(options["plan_file"])}
+        return pipeline.with_plan(reused)
     grid = module._grid
     stages, dp = grid.pipe_parallel_size, grid.data_parallel_size
     device = torch.device(get_accelerator().device_name(module.local_rank))
     micro_batches = pipeline.batch.micro_batches(dp)
     profile_file = options.get("profile_file")
-    rank = dist.get_rank()
     profile = None
     if profile_file and os.path.exists(profile_file):
         profile = Profile.load(profile_file)
         if profile.num_layers != len(module._layer_specs):
             raise ValueError(f'"pipeline": profile_file {profile_file!r} profiles {profile.num_layers} layers; this '
                              f"PipelineModule has {len(module._layer_specs)}: delete it to profile again")
-    elif training_data is None:
+    elif training_data is None and micro_batch is None:
         raise ValueError('"schedule": "auto" times your layers on a micro-batch of your data: pass training_data to '
-                         "deepspeed.initialize (as DeepSpeed's pipeline examples do), or name a profile_file an "
-                         "earlier run wrote, or name a schedule")
+                         "deepspeed.initialize (as DeepSpeed's pipeline examples do), or name a profile_file or "
+                         "plan_file an earlier run wrote, or name a schedule")
     payload = [None]
     if profile is None and rank == 0:
         log.info("schedule auto: profiling %d layers on %s", len(module._layer_specs), device)
         payload[0] = profile_module(module, training_data, collate_fn, pipeline, dp, device,
-                                    _optimizer_state_bytes(config, optimizer)).to_json()
+                                    _optimizer_state_bytes(config, optimizer), micro_batch).to_json()
     if profile is None:
         dist.broadcast_object_list(payload, src=0)
         profile = Profile.from_json(payload[0])
@@ -94,13 +105,36 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
     return pipeline.with_plan(decided[0]["pipeline"])
 
 
-def profile_module(module, training_data, collate_fn, pipeline, dp: int, device, optimizer_bytes: int) -> Profile:
-    """Time every layer of ``module`` on the first micro-batch of ``training_data``.
+def _saved_plan(path, dist):
+    """The ``"pipeline"`` section an earlier run wrote to ``plan_file``, read by rank 0 and sent to every rank
+    (other nodes may not see the file); None when there is none."""
+    found = [None]
+    if path and dist.get_rank() == 0 and os.path.exists(path):
+        try:
+            with open(path) as fh:
+                found[0] = json.load(fh)["pipeline"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            found[0] = {"error": f'"pipeline": plan_file {str(path)!r} is not a plan this planner wrote ({exc}); '
+                                 f"delete it to plan again"}
+    if path:
+        dist.broadcast_object_list(found, src=0)
+    if isinstance(found[0], dict) and "error" in found[0]:
+        raise ValueError(found[0]["error"])
+    return found[0]
+
+
+def profile_module(module, training_data, collate_fn, pipeline, dp: int, device, optimizer_bytes: int,
+                   micro_batch=None) -> Profile:
+    """Time every layer of ``module`` on ``micro_batch`` (inputs, labels), else the first micro-batch of
+    ``training_data``.
 
     The random state is restored afterwards (the loader's seed, dropout, layers built from specs
     draw from it), so the training that follows starts exactly as it would without the profile."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        inputs, labels = first_micro_batch(training_data, collate_fn, _micro_batch_size(pipeline, dp), device)
+        if micro_batch is not None:
+            inputs, labels = _to(micro_batch[0], device), _to(micro_batch[1], device)
+        else:
+            inputs, labels = first_micro_batch(training_data, collate_fn, _micro_batch_size(pipeline, dp), device)
         loss_fn = module.loss_fn
         if loss_fn is not None:
             def loss(out):
@@ -173,8 +207,10 @@ def _micro_batch_size(pipeline, dp: int) -> int:
 
 
 def _optimizer_state_bytes(config: dict, optimizer=None) -> int:
-    """Optimizer state bytes per parameter: of the optimizer instance passed, else of the config's optimizer,
-    else Adam's 8 (a callable building one is not known until it runs)."""
+    """Optimizer state bytes per parameter: of the optimizer instance passed (or the instance a callable
+    rebuilds, its ``template``: the HF Trainer's), else of the config's optimizer, else Adam's 8 (what a
+    callable builds is not known until it runs)."""
+    optimizer = getattr(optimizer, "template", optimizer)
     if isinstance(optimizer, torch.optim.Optimizer):
         if isinstance(optimizer, torch.optim.SGD):
             return 4 if any(group.get("momentum") for group in optimizer.param_groups) else 0

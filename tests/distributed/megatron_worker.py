@@ -228,6 +228,12 @@ def run_auto(out_dir: str, rank: int, world: int) -> dict:
                       "stage_fwd": [layer.fwd for layer in runner.profile.layers],
                       "stage_wgrad": [layer.wgrad for layer in runner.profile.layers],
                       "plan_file": json.load(open(plan_file)) if rank == 0 else None}
+    # a later start with that plan_file runs its plans as written: no profiling call
+    fb = dsm.get_forward_backward_func("auto", timeout=60, plan_file=plan_file, max_activations=4)
+    fb(forward_step_func=forward_step_for(2), data_iterator=iter(batches), model=chunks, num_microbatches=N,
+       seq_length=SEQ, micro_batch_size=MBS)
+    out["rerun"] = {"profiled": fb.runner.profile is not None,
+                    "chosen": [fb.runner.decisions[(4, N)].schedule, dict(fb.runner.decisions[(4, N)].options)]}
     return {"auto": out}
 
 

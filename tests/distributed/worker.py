@@ -929,6 +929,10 @@ def auto_plan(stages=4, n=8, steps=2):
     tdist.barrier()
     with open(plan_file) as fh:
         written = json.load(fh)["pipeline"]
+    # a later start with that plan_file runs its section without profiling (no training_data needed)
+    again = build(config("auto", n, 1, clip=NO_CLIP, plan_file=plan_file, memory_limit_gb=64)).module
+    rerun = {"schedule": again._ds_chimera_plan.schedule.name, **again._ds_chimera_plan.config.options,
+             "parts": list(again._ds_chimera_plan.parts)}
     auto_losses = train(auto)
     named = build(config(written["schedule"], n, 1, clip=NO_CLIP,
                          **{k: v for k, v in written.items() if k != "schedule"}))
@@ -936,7 +940,7 @@ def auto_plan(stages=4, n=8, steps=2):
     diff, tensors = engine_diff(auto, named)
     ref_layers = build_reference(specs)
     ref_losses, _ = run_reference(ref_layers, global_batches, steps, LR, NO_CLIP)
-    return {"chosen": chosen, "every_rank": every, "written": written, "auto_losses": auto_losses,
+    return {"chosen": chosen, "every_rank": every, "written": written, "rerun": rerun, "auto_losses": auto_losses,
             "named_losses": named_losses, "engine_diff": diff, "compared_tensors": tensors,
             "ref_diff": max_param_diff(auto, ref_layers), "ref_losses": ref_losses}
 
