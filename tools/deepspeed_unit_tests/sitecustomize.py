@@ -99,7 +99,34 @@ def _sparse_names_compat():
         DeepSpeedEngine.sparse_tensor_module_names = frozenset()
 
 
+def _cpu_fork_rng():
+    """DSU_CPU_FORK_RNG=1: tests/unit/alexnet_model.py's train_cifar (edaa722) enters
+    ``torch.random.fork_rng(devices=['cpu'], device_type='cpu')``, which calls ``torch.cpu.get_rng_state``; torch
+    2.13's ``torch.cpu`` has none, so every TestPipeCifar10 case fails at its first line on the CPU accelerator.
+    The shim maps the per-device pair to the CPU generator's (which fork_rng saves and restores anyway)."""
+    if os.environ.get("DSU_CPU_FORK_RNG") != "1":
+        return
+    import torch
+    if not hasattr(torch.cpu, "get_rng_state"):
+        torch.cpu.get_rng_state = lambda device="cpu": torch.get_rng_state()
+        torch.cpu.set_rng_state = lambda new_state, device="cpu": torch.set_rng_state(new_state)
+
+
+def _seed():
+    """DSU_SEED=N: ``torch.manual_seed(N)`` at start-up. torch's CPU generator starts from a random seed in each
+    process here, and the DistributedTest workers inherit the forkserver's state, so a model built before the
+    test seeds (TestPipeCifar10's AlexNet) is the same within a pytest session but differs between sessions,
+    i.e. between modes. Seeded, every mode starts from the same weights and their losses compare across
+    columns (importing deepspeed or ds_chimera draws nothing from the generator)."""
+    seed = os.environ.get("DSU_SEED")
+    if seed:
+        import torch
+        torch.manual_seed(int(seed))
+
+
 _torchvision_shim()
+_seed()
+_cpu_fork_rng()
 _fake_cifar_no_md5()
 _sparse_names_compat()
 _MODE = os.environ.get("DSU_MODE", "stock")
