@@ -329,13 +329,17 @@ def median_steps_in_turn(dist, steps: list, repeats: int) -> list:
     """Median wall time of each of ``steps`` on all ranks, after one warm-up round.
 
     The steps take turns, one call each per round, so a burst of load on this shared host
-    hits every row alike instead of whichever row was running then.
+    hits every row alike instead of whichever row was running then. Each round takes the rows in
+    another order (seeded by the round, so every rank agrees): no row always follows the same one
+    (a step right after a long one, or first after the warm-up, can run differently).
     """
+    import random
     for step in steps:
         step()
     times = [[] for _ in steps]
-    for _ in range(repeats):
-        for i, step in enumerate(steps):
+    for round_ in range(repeats):
+        for i in random.Random(round_).sample(range(len(steps)), len(steps)):
+            step = steps[i]
             dist.barrier()
             start = time.perf_counter()
             step()

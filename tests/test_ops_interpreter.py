@@ -36,6 +36,8 @@ TRITON_CHECK = textwrap.dedent('''
         elif not FULL:                                   # CI: fp32 without two of the middle shapes
             shapes = [shape for shape in shapes if shape[0] not in (2, 4)]
         for kernel, heads, time, channels in shapes:
+            if not FULL and dynamic and kernel == 31:    # CI: the dynamic kernel's long reach is K = 70's
+                continue
             # K = 70: a causal reach over 64 (the tap loop on a GPU too), and P = 0
             paddings = {0, kernel - 1} if kernel == 70 else {0, kernel // 2, kernel - 1}
             if not FULL and dtype in (torch.float16, torch.bfloat16) and kernel == 7:
@@ -112,6 +114,8 @@ WINDOW_CHECK = textwrap.dedent('''
     for dynamic in (False, True):
         # CI: no 64-channel head (K = 5 has a 130-channel one), no K = 64, fewer paddings at K = 33
         for kernel, heads, time, channels in shapes if FULL else [s for s in shapes if s[0] not in (4, 31, 64)]:
+            if not FULL and dynamic and kernel in (5, 33):   # CI: dynamic weights at K = 1, 3, 7
+                continue
             paddings = {0, kernel // 2, kernel - 1}
             if not FULL and kernel in (7, 33):          # CI: K = 3 runs every padding; K = 7 adds the
                 paddings = {kernel - 1}                 # T x B x C layout, K = 33 the reach over 32
@@ -153,8 +157,8 @@ def test_window_kernels_under_the_interpreter():
     """Forward, fused backward and the single-gradient variants, windows reloaded and sliding,
     tile widths from the smallest to twice it, one and several tiles per program, every padding
     reach, heads wider than one channel block (fp32: the interpreter's 16-bit dot is wrong).
-    CI drops three shapes and runs one padding at K = 5, 7 and 33 (K = 3 runs all three);
-    DS_CHIMERA_KERNEL_GRID=full runs them all."""
+    CI drops three shapes, runs one padding at K = 5, 7 and 33 (K = 3 runs all three) and dynamic
+    weights at K = 1, 3, 7; DS_CHIMERA_KERNEL_GRID=full runs them all."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
     proc = subprocess.run([sys.executable, "-c", WINDOW_CHECK], env=env, capture_output=True, text=True, timeout=900)

@@ -8,6 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+import tiers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -18,6 +22,7 @@ def run(script, *args, out):
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout
 
 
+@pytest.mark.skipif(not tiers.FULL, reason="make test-full (DS_CHIMERA_FULL=1) runs it: a benchmark's own run")
 def test_zero_benchmark_prices_breadth_first_zero3_from_its_own_run(tmp_path):
     rows, text = run("benchmarks/zero.py", "--micro-batches", "4", "--repeats", "1", "--no-memory", "--no-fsdp",
                      "--rows", "breadth-first:3", out=tmp_path / "zero.json")

@@ -26,14 +26,14 @@ N = 8
 CASES = [  # (schedule, options, pipeline size, loss form)
     ("1f1b", {}, 4, 3), ("interleaved", {"chunks": 2}, 4, 2), ("chimera", {}, 4, 3), ("zb-h1", {}, 4, 2),
     ("zbv", {}, 4, 3), ("chimera", {"order": "zero-bubble", "pipelines": 2}, 4, 3),  # a loss stage on every rank
-    ("chimera", {}, 2, 2), ("interleaved", {"chunks": 2}, 2, 3),     # 2 x 2 pipe x data
+    ("chimera", {}, 2, 2),     # 2 x 2 pipe x data
     # gradients kept in main_grad by an accumulation hook, as Megatron's DDP does
     ("zb-h1", {}, 4, 2, "main_grad"), ("chimera", {}, 4, 3, "main_grad"),
 ]
 # make test-full adds the other synchronous schedules (each one's equivalence runs in CI on DeepSpeed:
 # tests/test_runtime_deepspeed.py) and Chimera's zero-bubble order with one pipeline pair
 FULL_CASES = [("gpipe", {}, 4, 2), ("breadth-first", {"chunks": 2}, 4, 3), ("dualpipev", {}, 4, 2),
-              ("chimera", {"order": "zero-bubble"}, 4, 2)]
+              ("chimera", {"order": "zero-bubble"}, 4, 2), ("interleaved", {"chunks": 2}, 2, 3)]
 if FULL:
     CASES += FULL_CASES
 
