@@ -20,6 +20,7 @@ from the same profile. The activation budget defaults to the reference schedule'
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 
@@ -33,6 +34,7 @@ from ..planner.search import Budget, Setting, plan, splits_backward
 from ..schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, activation_peaks
 from .chunk_checks import check_split_backward
 from .model_chunk import model_config, unwrap
+from .stages import call_pipeline_group, chunks_device
 
 log = get_logger()
 BUILT_FOR_AUTO = "auto"
@@ -88,16 +90,9 @@ def sent_bytes(p2p) -> int:
     """The largest message this rank sent in the call (the shapes the transport recorded per edge)."""
     largest = 0
     for meta in p2p.sent_meta.values():
-        largest = max(largest, sum(torch.empty((), dtype=dtype).element_size() * _numel(shape)
+        largest = max(largest, sum(torch.empty((), dtype=dtype).element_size() * math.prod(shape)
                                    for dtype, _, shape in meta))
     return largest
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 class AutoRunner:
@@ -128,7 +123,7 @@ class AutoRunner:
     def __call__(self, **kwargs):
         chunks = kwargs["model"]
         chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
-        group = _pipeline_group(kwargs.get("pg_collection"))
+        group = call_pipeline_group(kwargs.get("pg_collection"))
         size = dist.get_world_size(group)
         if self.layout is None:
             self.layout = layout_schedule(chunks, model_config(chunks[0]), size)
@@ -205,7 +200,7 @@ class AutoRunner:
                 params.update(part["params"])
             out_bytes = max(part["sent"] for part in gathered)
             layers = tuple(stage_cost(s, times[s], *params[s], out_bytes) for s in range(placement.num_stages))
-            payload[0] = Profile(layers, micro_batch_size=1, device=str(_device(chunks)),
+            payload[0] = Profile(layers, micro_batch_size=1, device=str(chunks_device(chunks)),
                                  meta={"profiled_with": self.layout.schedule, "micro_batches": n}).to_json()
         dist.broadcast_object_list(payload, src=0)
         profile = Profile.from_json(payload[0])
@@ -215,7 +210,7 @@ class AutoRunner:
         if dist.get_rank() == 0:
             first[0] = ranks[:2] if len(ranks) > 1 else ranks * 2
         dist.broadcast_object_list(first, src=0)
-        links = measure_links(dist, first[0][0], first[0][1], None, _device(chunks),
+        links = measure_links(dist, first[0][0], first[0][1], None, chunks_device(chunks),
                               big_bytes=max(profile.layers[0].output_bytes, 1024),
                               reduce_bytes=max(max(layer.param_bytes for layer in profile.layers), 1024),
                               idle_s=min(max(stage_fwd, 1e-3), 0.05), same_host=_local_ranks() >= 2)
@@ -277,17 +272,6 @@ def _unsplit(layer: LayerCost) -> LayerCost:
 def _param_counts(chunk) -> tuple:
     params = [p for p in chunk.parameters() if p.requires_grad]
     return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
-
-
-def _device(chunks):
-    return next((p.device for chunk in chunks for p in chunk.parameters()), torch.device("cpu"))
-
-
-def _pipeline_group(pg_collection):
-    from .stages import pipeline_group
-    if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
-        return pg_collection.pp
-    return pipeline_group()
 
 
 def _group_ranks(group) -> list:

@@ -42,7 +42,7 @@ from .chunk_checks import check_chunks, check_split_backward
 from .host import MegatronHost, MicroBatchFeed
 from .loss_exchange import start_loss_exchange
 from .model_chunk import model_config
-from .stages import pipeline_group
+from .stages import call_pipeline_group, chunks_device
 
 
 def _pipeline_groups(placement, pp_ranks: list, nccl: bool, timeout_s: float) -> PipelineGroups:
@@ -112,8 +112,7 @@ class ScheduleRunner:
             raise PipelineShapeError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
         if collect_non_loss_data and not forward_only:
             raise ValueError("collect_non_loss_data=True needs forward_only=True (Megatron collects it in evaluation)")
-        group = pg_collection.pp if pg_collection is not None and getattr(pg_collection, "pp", None) is not None \
-            else pipeline_group()
+        group = call_pipeline_group(pg_collection)
         size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         schedule, program, eval_program = self._schedule(size, num_microbatches)
         placement = schedule.placement
@@ -126,7 +125,7 @@ class ScheduleRunner:
                 feeds.append(None)
             else:
                 feeds.append(shared.setdefault(id(source), MicroBatchFeed(source, num_microbatches)))
-        device = next((p.device for chunk in chunks for p in chunk.parameters()), torch.device("cpu"))
+        device = chunks_device(chunks)
         self.groups, self.p2p = self._communication(schedule, group, device)
         config = model_config(chunks[0])
         # as Megatron: fixed shapes (one header per edge) unless the config says they vary

@@ -47,6 +47,18 @@ def pipeline_group():
     return dist.group.WORLD
 
 
+def call_pipeline_group(pg_collection):
+    """The pipeline group of one forward-backward call: ``pg_collection.pp`` where given, else Megatron's."""
+    if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
+        return pg_collection.pp
+    return pipeline_group()
+
+
+def chunks_device(chunks):
+    """The device of the chunks' parameters (CPU for chunks without any)."""
+    return next((p.device for chunk in chunks for p in chunk.parameters()), torch.device("cpu"))
+
+
 def virtual_stages(schedule: str, pipeline_size: int, **options):
     """Megatron's ``virtual_pipeline_model_parallel_size`` for a schedule's placement (None for one).
 
