@@ -7,9 +7,9 @@ runs one :class:`FaultMonitor` (a daemon thread on a clone of the default store)
 - publishes a heartbeat (a counter, so clocks never need to agree) every ``BEAT_S``;
 - watches one key, ``failed``: the first failure, written once (compare-and-set) with the
   origin rank and its exception. A rank that sees it raises :class:`JobFailed`
-  (``ds_chimera: rank R failed: <exception>``) in its ds_chimera call: the call's waits for
-  messages run on a helper thread (:func:`wait_interruptibly`) and the call's thread stops
-  waiting within ``BEAT_S``; a call that starts later raises at once. The exception is the
+  (``ds_chimera: rank R failed: <exception>``) in its ds_chimera call: a wait for a message
+  that is under way then ends within ``BEAT_S`` (:meth:`FaultMonitor.wait_interruptibly`: the
+  watch thread closes the process groups' connections); a call that starts later raises at once. The exception is the
   caller's to catch (to save, report, clean up); uncaught, it ends the process with that one
   line. A rank that cannot be reached that way (stuck in a blocking collective outside
   ds_chimera's waits, or in user code that never calls in again) exits within
@@ -57,6 +57,7 @@ HOST_GRACE_S = 3.0        # the store's host waits this long, at most, for the o
 EXIT_CODE = 1
 ENV_DISABLE = "DS_CHIMERA_FAULT_MONITOR"      # "0": no monitor (every wait is still bounded)
 PREFIX = "ds_chimera/faults/"
+BREAK_TAG = (1 << 30) + 1  # the receive no one sends, whose timed-out wait closes a group's connections
 IDLE = "user code between ds_chimera calls"
 STORE_GONE = ("the rendezvous store is unreachable: the process hosting it (rank 0 under env://, or the "
               "launcher) is gone")
@@ -92,7 +93,8 @@ class FaultMonitor:
         self.failed = None                  # the job's failure record, once this rank knows it
         self.delivered = False              # a guarded call raised it (or the origin's own error) to its caller
         self._failed_at = None              # monotonic time this rank learned of the failure
-        self._waiter = None                 # the helper thread of interruptible waits
+        self._waiting = False               # the call's thread is in a wait the failure must end
+        self._groups_broken = False
         self._stop = threading.Event()
         self._beat_keys = [f"beat/{r}" for r in range(world)]
         self._seen: dict = {}               # rank -> (last counter, local time it changed)
@@ -184,13 +186,50 @@ class FaultMonitor:
             raise JobFailed(self.line(record) + f" [rank {self.rank} stops too: it was in {self.activity}]")
 
     def wait_interruptibly(self, work, timeout_s: float) -> None:
-        """``work.wait(timeout)`` on the helper thread, this thread polling for the job's failure.
+        """``work.wait(timeout)`` on this thread, ended by the job's failure with :class:`JobFailed`.
 
-        gloo cannot cancel a wait (a timed-out one closes the connection, and aborting the group
-        does not wake it), so the wait itself moves to a thread that may be left behind."""
-        if self._waiter is None or self._waiter.stuck:
-            self._waiter = _Waiter()
-        self._waiter.wait(work, timeout_s, self.check)
+        gloo cannot cancel a wait (aborting the group does not wake it), but a receive whose wait
+        times out closes every connection of its group, which ends every wait on them with an error.
+        So the watch thread, learning of a failure while this thread waits, times out a receive
+        on each of the process's gloo groups (:meth:`_break_groups`). The wait itself costs nothing
+        extra; waiting on a helper thread instead cost two thread hand-overs per message
+        (docs/investigations/cpu-step-time.md)."""
+        self._waiting = True
+        try:
+            self.check()
+            work.wait(timedelta(seconds=timeout_s))
+        except JobFailed:
+            raise
+        except Exception as exc:
+            if self.failed is not None:
+                raise JobFailed(self.line(self.failed) + f" [rank {self.rank} stops too: it was in "
+                                                         f"{self.activity}]") from exc
+            raise
+        finally:
+            self._waiting = False
+
+    def _break_groups(self) -> None:
+        """Close the connections of every gloo process group of this process, which ends the call's
+        thread's wait (see :meth:`wait_interruptibly`): each gets a receive no one sends, waited on
+        for a millisecond. The job has failed, so nothing is lost; the peers' waits on these
+        connections end too, and they find the published failure."""
+        if self._groups_broken:
+            return
+        self._groups_broken = True
+        import torch
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+        me = dist.get_rank() if dist.is_initialized() else self.rank
+        for group in list(c10d._world.pg_map):
+            with contextlib.suppress(Exception):
+                if "gloo" not in str(dist.get_backend(group)):
+                    continue
+                peer = next((r for r in dist.get_process_group_ranks(group) if r != me), None)
+                if peer is None:
+                    continue
+                work = dist.irecv(torch.empty(1), src=peer, group=group, tag=BREAK_TAG)
+                work.wait(timedelta(milliseconds=1))
+        log.debug("ds_chimera: rank %d closed its process groups' connections to end a wait", self.rank)
 
     def _report(self, exc: BaseException, what: str) -> dict:
         from .p2p import PeerTimeout
@@ -326,6 +365,8 @@ class FaultMonitor:
                 record = self.publish(*suspect)
             if record is not None:
                 self._learn(record)
+                if self._waiting:
+                    self._break_groups()
                 if not self.delivered and time.monotonic() - self._failed_at > DELIVER_S:
                     where = "" if record["origin"] == self.rank else f" [rank {self.rank} stops too: it was in " \
                                                                      f"{self.activity}]"
@@ -351,37 +392,6 @@ class FaultMonitor:
         closer = getattr(self.store, "close", None)
         if closer is not None:
             closer()
-
-
-class _Waiter:
-    """A daemon thread that blocks in ``work.wait`` for the calling thread, which polls meanwhile."""
-
-    def __init__(self):
-        import queue
-        self.jobs = queue.SimpleQueue()
-        self.stuck = False
-        threading.Thread(target=self._serve, name="ds_chimera-waiter", daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            work, timeout_s, done, errors = self.jobs.get()
-            try:
-                work.wait(timedelta(seconds=timeout_s))
-            except BaseException as exc:       # handed to the waiting thread
-                errors.append(exc)
-            done.set()
-
-    def wait(self, work, timeout_s: float, check) -> None:
-        done, errors = threading.Event(), []
-        self.jobs.put((work, timeout_s, done, errors))
-        while not done.wait(BEAT_S):
-            try:
-                check()
-            except JobFailed:
-                self.stuck = True              # its wait may never end: the next one gets a new thread
-                raise
-        if errors:
-            raise errors[0]
 
 
 _EXIT_CODE = {"code": 0}

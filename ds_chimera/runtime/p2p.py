@@ -41,7 +41,7 @@ def wait_or_fail(work, timeout_s: float, what: str, source: str = "ds_chimera", 
 
     gloo reports a dead peer either when an operation is posted (a closed connection) or
     while it is awaited (a timeout); both become one clear error naming ``what``. A wait that
-    would block does so on the fault monitor's helper thread, so another rank's failure stops it
+    would block is one the fault monitor can end: another rank's failure stops it
     (:class:`~.faults.JobFailed`) within a heartbeat instead of the timeout.
     """
     start = time.monotonic()
