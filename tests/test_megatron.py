@@ -139,6 +139,32 @@ def test_auto_times_the_first_call_then_runs_the_fastest_schedule_for_the_built_
         assert layout["chosen"] == next(r["auto"] for r in contract_results[0] if "auto" in r)["layout"]["chosen"]
 
 
+def test_auto_advises_a_faster_placement_the_built_chunks_cannot_run():
+    """Megatron builds the chunks before the first call, so "auto" runs the best schedule of that placement; where
+    Chimera's placement (the same stages, priced exactly by the measured stage costs) is predicted clearly faster,
+    the report says so, with the call that builds its chunks; where replica gradient syncs cost more, it does not."""
+    from ds_chimera.megatron.auto import ADVICE_MARGIN, placement_advice, rank_stages
+    from ds_chimera.planner.profile import LayerCost, Links, Profile
+    from ds_chimera.planner.search import Budget, Setting, plan
+    stages, n = 4, 8
+    layers = tuple(LayerCost(f"stage {s}", 1.0, 2.0, 1.0, 0, 4096, 1000, 250) for s in range(stages))
+    built = tuple((r,) for r in range(stages))          # Megatron's one chunk per rank
+    setting, budget = Setting(stages=stages, micro_batches=n), Budget(max_activations=stages)
+
+    def advice(sync_s):
+        profile = Profile(layers, Links(allreduce_latency_s=sync_s, wide_allreduce_latency_s=sync_s))
+        chosen = plan(profile, setting, budget, cuts=("uniform",),
+                      accept=lambda placed: None if rank_stages(placed.placement) == built else "another").chosen
+        return chosen, placement_advice(profile, setting, budget, chosen, built, w_measured=True)
+
+    chosen, advised = advice(0.0)
+    assert chosen.schedule == "zb-h1" and chosen.step_s == 27.0
+    assert (advised["schedule"], advised["options"]) == ("chimera", {"pipelines": 1, "order": "zero-bubble"})
+    assert advised["step_s"] == 25.0 and advised["ratio"] < ADVICE_MARGIN and advised["weight_copies"] == 2
+    assert "build_model_chunks(provider, 'chimera', pipelines=1, order='zero-bubble')" in advised["text"]
+    assert advice(3.0)[1] is None          # three units per replica sync: Chimera no longer wins
+
+
 def test_auto_options_on_megatron_are_checked_before_any_work():
     from ds_chimera.config import PipelineConfig
     with pytest.raises(ValueError, match=r"\"auto\" on Megatron takes \['max_activations', 'plan_file'\].*"

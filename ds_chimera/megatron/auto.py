@@ -31,6 +31,7 @@ from ..config import PipelineConfig
 from ..logs import get_logger
 from ..planner.profile import LayerCost, Profile
 from ..planner.search import Budget, Setting, plan, splits_backward
+from ..schedules import registry
 from ..schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, activation_peaks
 from .chunk_checks import check_split_backward
 from .model_chunk import model_config, unwrap
@@ -108,6 +109,7 @@ class AutoRunner:
         self.decisions: dict = {}       # (pipeline size, num_microbatches) -> PipelineConfig
         self.reports: dict = {}         # ... -> the planner's report (text)
         self.predicted: dict = {}       # ... -> the chosen schedule's predicted step (seconds)
+        self.advice: dict = {}          # ... -> a faster placement, to build next time (or None)
         self._runners: dict = {}
         self.fixed = None               # each rank's stages, as the chunks were built
         self.plans: list = []           # rank 0: what plan_file holds
@@ -246,9 +248,13 @@ class AutoRunner:
         result.notes.append("Megatron's chunks are built: every candidate holds the same weights, so memory is "
                             "compared in micro-batches of activations (their bytes are not measured here)")
         report = result.report()
-        self.reports[(size, n)] = report
         if result.chosen is None:
             raise ValueError(f"schedule auto on Megatron: {result.why_nothing()}")
+        advice = placement_advice(profile, setting, Budget(max_activations=limit), result.chosen, fixed, w_measured)
+        self.advice[(size, n)] = advice
+        if advice is not None:
+            report += "\n  " + advice["text"]
+        self.reports[(size, n)] = report
         chosen = PipelineConfig(schedule=result.chosen.schedule, options=dict(result.chosen.options),
                                 timeout_s=self.config.timeout_s)
         self.predicted[(size, n)] = result.chosen.step_s
@@ -261,6 +267,49 @@ class AutoRunner:
                 from ..atomic import write_text_atomic
                 write_text_atomic(os.fspath(path), json.dumps({"plans": self.plans}, indent=1) + "\n")
         return chosen
+
+
+ADVICE_MARGIN = 0.97    # another placement is advised when its predicted step is below this share of the chosen
+MAX_ADVISED_COPIES = 2  # ... and each rank holds at most this many stages' weights (Chimera's two directions)
+
+
+def _weight_copies(placement) -> int:
+    return max(len(placement.chunks_on(r)) for r in range(placement.num_ranks))
+
+
+def placement_advice(profile: Profile, setting: Setting, budget: Budget, chosen, fixed, w_measured: bool):
+    """The fastest schedule that needs chunks built another way, where it beats ``chosen`` clearly.
+
+    Only placements with the built stages (the same layers per stage, so the measured stage costs
+    price them exactly) are priced: Chimera's, on Megatron's one chunk per rank. They hold more
+    weights (each rank a replica of a second stage; at most ``MAX_ADVISED_COPIES`` stages' worth
+    are advised), which the activation budget does not weigh, so this is advice for the next
+    launch, with the call that builds those chunks, not a switch.
+    Returns None, or {"schedule", "options", "step_s", "ratio", "weight_copies", "text"}."""
+
+    def accept(placed):
+        if rank_stages(placed.placement) == fixed:
+            return "the built placement (chosen among above)"
+        if _weight_copies(placed.placement) > MAX_ADVISED_COPIES:
+            return f"holds more than {MAX_ADVISED_COPIES} stages' weights per rank"
+        if splits_backward(type(placed), placed.config) and not w_measured:
+            return "splits the backward, which was not timed apart"
+        return None
+
+    result = plan(profile, setting, budget, cuts=("uniform",), accept=accept)
+    best = result.chosen
+    if best is None or best.step_s >= ADVICE_MARGIN * chosen.step_s:
+        return None
+    copies = _weight_copies(registry.get(best.schedule)(setting.stages, setting.micro_batches,
+                                                        **best.options).placement)
+    args = "".join(f", {k}={v!r}" for k, v in best.options.items())
+    text = (f"another placement would be faster: {best.label.replace(' cut=uniform', '')}, predicted "
+            f"{best.step_s * 1e3:.3f} ms ({best.step_s / chosen.step_s:.3f}x the chosen), each rank holding "
+            f"{copies} stages' weights; build the chunks with build_model_chunks(provider, {best.schedule!r}{args}) "
+            f"to run it (V-shaped and looped placements halve Megatron's stages: not priced, their costs are "
+            f"unmeasured)")
+    return {"schedule": best.schedule, "options": dict(best.options), "step_s": best.step_s,
+            "ratio": best.step_s / chosen.step_s, "weight_copies": copies, "text": text}
 
 
 def _unsplit(layer: LayerCost) -> LayerCost:
