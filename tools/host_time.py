@@ -44,7 +44,7 @@ def worker(args):
     rows = [{"tree": os.path.dirname(os.path.dirname(ds_chimera.__file__)), "row": name, "step_ms": t * 1e3,
              "over_stock": t / times[0]} for (name, _), t in zip(ROWS, times)]
     if rank == 0:
-        print("  " + "; ".join(f"{r['row']} {r['step_ms']:.1f} ms ({r['over_stock']:.3f})" for r in rows), flush=True)
+        print("  host time: " + "; ".join(f"{r['row']} {r['step_ms']:.1f} ms ({r['over_stock']:.3f})" for r in rows), flush=True)
     save_rows(dist, rows, args.out)
 
 
@@ -67,7 +67,7 @@ def main():
         for tree in args.trees:
             os.environ["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tree), base])
             print(f" {tree}:", flush=True)
-            got = launch(__file__, ["--repeats", args.repeats], args.out, ("  ",))
+            got = launch(__file__, ["--repeats", args.repeats], args.out, ("  host time:",))
             if got is None:
                 return report(None)
             rows += got
