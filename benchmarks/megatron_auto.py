@@ -11,7 +11,9 @@ and then stepping in turn (one call each per round, medians):
 
 - ``get_forward_backward_func("auto")`` with its default budget (Megatron's 1F1B peak) and with a
   loose one (``max_activations = N``): the first call profiles, the warm-up round plans;
-- every schedule that runs this placement, named directly: 1f1b, zb-h1, gpipe.
+- every schedule that runs this placement, named directly: 1f1b, zb-h1, gpipe;
+- the placement the default-budget auto row advises (``AutoRunner.advice``: Chimera's, where it predicts
+  it at least 3% faster), built as its own chunks and named, to measure the advice.
 
 Printed per budget: the pick, its measured step over the best measured row that fits the budget,
 its predicted step (the planner's, on the first call's profile) over its measured one. The last
@@ -84,15 +86,24 @@ def worker(args):
                                                                                    max_activations=n))]
         functions += [(name, dsm.get_forward_backward_func(name, timeout=120)) for name in NAMED]
 
-        def stepper(fb):
+        def stepper(fb, chunks=(chunk,)):
             def step():
-                chunk.zero_grad(set_to_none=True)
-                fb(forward_step_func=forward_step, data_iterator=iter(batch), model=[chunk], num_microbatches=n,
+                for c in chunks:
+                    c.zero_grad(set_to_none=True)
+                fb(forward_step_func=forward_step, data_iterator=iter(batch), model=list(chunks), num_microbatches=n,
                    seq_length=1, micro_batch_size=MICRO)
             return step
+        steps = [stepper(fb) for _, fb in functions]
+        for step, (name, _) in zip(steps, functions):     # the auto rows profile and plan on their first call
+            if name.startswith("auto"):
+                step()
+        advised = _advised_row(dsm, functions, n, rank, dist.get_world_size())
+        if advised is not None:
+            functions.append(advised[:2])
+            steps.append(stepper(advised[1], advised[2]))
         if rank == 0:
             print(f"  N={n}: {len(functions)} rows; timing {args.repeats} rounds, taking turns", flush=True)
-        medians = median_steps_in_turn(dist, [stepper(fb) for _, fb in functions], args.repeats)
+        medians = median_steps_in_turn(dist, steps, args.repeats)
         by_name = {}
         for (name, fb), median in zip(functions, medians):
             row = {"N": n, "row": name, "step_s": median}
@@ -120,10 +131,36 @@ def worker(args):
                       f"{summary['pick_named_step_s'] * 1e3:.1f} ms), best fitting {best['row']} "
                       f"{best['step_s'] * 1e3:.1f} ms: pick/best {summary['pick_over_best']:.3f}; predicted/measured "
                       f"{summary['predicted_over_measured']:.3f}", flush=True)
+        if advised is not None:
+            pick = by_name[functions[0][0]]
+            row = by_name[advised[0]]
+            summary = {"N": n, "advised": advised[0], "advised_predicted_s": advised[3],
+                       "advised_step_s": row["step_s"], "pick": pick["pick"], "pick_step_s": pick["step_s"],
+                       "advised_over_pick": row["step_s"] / pick["step_s"],
+                       "advised_predicted_over_measured": advised[3] / row["step_s"]}
+            rows.append({"summary": summary})
+            if rank == 0:
+                print(f"  N={n} advised placement {advised[0]}: measured {row['step_s'] * 1e3:.1f} ms, "
+                      f"{summary['advised_over_pick']:.3f}x the pick's (predicted "
+                      f"{advised[4]:.3f}x); predicted/measured {summary['advised_predicted_over_measured']:.3f}",
+                      flush=True)
         if rank == 0:
             print("  " + "  ".join(f"{r['row']} {r['step_s'] * 1e3:.1f} ms" for r in rows
                                    if r.get("N") == n and "row" in r), flush=True)
     save_rows(dist, rows, args.out)
+
+
+def _advised_row(dsm, functions, n: int, rank: int, world: int):
+    """The placement the default-budget auto row advises (if any), built as its own chunks and named:
+    (label, forward-backward function, chunks, predicted step, predicted ratio to the pick), or None."""
+    advice = functions[0][1].runner.advice.get((world, n))
+    if advice is None:
+        return None
+    fb = dsm.get_forward_backward_func(advice["schedule"], timeout=120, **advice["options"])
+    placement = fb.config.build_schedule(world, n).placement
+    chunks = [build_chunk(placement.chunks[c].stage) for c in placement.chunks_on(rank)]
+    label = advice["schedule"] + " " + ",".join(f"{k}={v}" for k, v in advice["options"].items()) + " (advised)"
+    return label, fb, chunks, advice["step_s"], advice["ratio"]
 
 
 def _peak(name: str, stages: int, n: int) -> int:
