@@ -213,9 +213,6 @@ class FaultMonitor:
         thread's wait (see :meth:`wait_interruptibly`): each gets a receive no one sends, waited on
         for a millisecond. The job has failed, so nothing is lost; the peers' waits on these
         connections end too, and they find the published failure."""
-        if self._groups_broken:
-            return
-        self._groups_broken = True
         import torch
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
@@ -233,7 +230,8 @@ class FaultMonitor:
 
     def _report(self, exc: BaseException, what: str) -> dict:
         from .p2p import PeerTimeout
-        known = self._safe_failure()
+        # the failure this rank already learned first: the store's host may have ended since, having published it
+        known = self.failed if self.failed is not None else self._safe_failure()
         if known is not None:
             return known
         text = f"{type(exc).__name__}: {exc} (in {what})"
@@ -252,9 +250,9 @@ class FaultMonitor:
                 suspect = None if record is not None else \
                     self._suspect(dead_after=DEAD_AFTER_S, silent_after=min(self.timeout_s, wait_s))
             except StoreUnresponsive as exc:
-                return self.store_silent(exc)
+                return self.failed or self.store_silent(exc)
             except Exception:
-                return {"origin": 0, "reporter": self.rank, "message": STORE_GONE}
+                return self.failed or {"origin": 0, "reporter": self.rank, "message": STORE_GONE}
             if record is not None:
                 return record
             if suspect is not None:
@@ -354,19 +352,28 @@ class FaultMonitor:
             except StoreUnresponsive as exc:
                 if self.hosts_store:        # its own server thread: this process is alive, keep watching
                     continue
-                self.exit(self.line(self.store_silent(exc)) + f" [rank {self.rank} stops too: it was in "
-                                                              f"{self.activity}]")
-                return
+                if self.failed is None:
+                    self.exit(self.line(self.store_silent(exc)) + f" [rank {self.rank} stops too: it was in "
+                                                                  f"{self.activity}]")
+                    return
+                if self.delivered:
+                    return
+                record, suspect = self.failed, None     # known before the store went: delivered as below
             except Exception:
                 # the store's host ended (rank 0 under env://, or the launcher). If it failed, the
-                # process groups fail too, and the guarded work reports it; stop watching
-                return
+                # process groups fail too, and the guarded work reports it; stop watching, unless the
+                # failure is known already (its host published it, then ended): delivered as below
+                if self.failed is None or self.delivered:
+                    return
+                record, suspect = self.failed, None
             if record is None and suspect is not None:
                 record = self.publish(*suspect)
             if record is not None:
                 self._learn(record)
-                if self._waiting:
-                    self._break_groups()
+                if self._waiting and not self._groups_broken:
+                    # on its own thread: a group whose peer died may block its receive, not this watch
+                    self._groups_broken = True
+                    threading.Thread(target=self._break_groups, name="ds_chimera-break-groups", daemon=True).start()
                 if not self.delivered and time.monotonic() - self._failed_at > DELIVER_S:
                     where = "" if record["origin"] == self.rank else f" [rank {self.rank} stops too: it was in " \
                                                                      f"{self.activity}]"

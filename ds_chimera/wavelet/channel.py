@@ -25,6 +25,7 @@ import uuid
 
 import torch
 
+from ..runtime import faults
 from ..runtime.p2p import PeerTimeout
 
 POLL_S = 0.0005
@@ -75,8 +76,11 @@ class PairChannel:
     def _wait_for(self, ready, what: str) -> None:
         """Poll ``ready()`` until it holds; a PeerTimeout naming ``what`` after the channel's timeout."""
         start = time.monotonic()
+        monitor = faults.current()
         try:
             while not ready():
+                if monitor is not None:
+                    monitor.check()          # another rank's failure ends the wait (JobFailed), not the timeout
                 if time.monotonic() - start > self.timeout_s:
                     raise PeerTimeout(f"ds_chimera wavelet: {what} did not arrive after {self.timeout_s:g}s: a "
                                       f"task died or is stuck")

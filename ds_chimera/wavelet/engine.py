@@ -343,7 +343,10 @@ class WaveletEngine(DeepSpeedEngine):
             key = f"barrier/{self._barriers}"
             self.store.add(key, 1)
             deadline = time.monotonic() + self.wavelet["timeout"]
+            monitor = faults.current()
             while int(self.store.add(key, 0)) < world:
+                if monitor is not None:
+                    monitor.check()         # another rank's failure ends the barrier (JobFailed)
                 if time.monotonic() > deadline:
                     raise PeerTimeout(f"ds_chimera wavelet: rank {rank} waited {self.wavelet['timeout']:g}s at a "
                                       f"checkpoint barrier: a task died or is stuck")
