@@ -1,6 +1,8 @@
 """Megatron-Core integration: the forward-backward contract on 4 gloo ranks, install, launcher, example."""
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -27,8 +29,19 @@ def contract_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
            WORKER, str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    # output to files, not pipes, and the launch in its own session, killed whole at the end: a child a rank
+    # leaves behind (Megatron's checkpoint writer processes) must neither hold the pipes open nor outlive the test
+    with open(out / "stdout.txt", "w+") as stdout, open(out / "stderr.txt", "w+") as stderr:
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, text=True, env=_env(), start_new_session=True)
+        try:
+            proc.wait(timeout=900)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        stdout.seek(0)
+        stderr.seek(0)
+        assert proc.returncode == 0, stdout.read()[-3000:] + stderr.read()[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
