@@ -185,8 +185,19 @@ def test_profile_times_match_the_layers_set_costs():
     """F, B (= I + W) and W of each layer within 10% of what the layer took, and of its set cost. What it took
     is the layer's own median hold (a loaded host wakes sleepers late: the profile must report that time, as
     training would pay it); on a quiet host the two agree."""
-    import statistics
     set_costs = [(0.020, 0.030, 0.020), (0.030, 0.020, 0.030)]
+    # two tries: a burst of load from the other test worker can delay one profile's samples past its holds'
+    for attempt in range(2):
+        try:
+            _check_profile_against_holds(set_costs)
+            return
+        except AssertionError:
+            if attempt == 1:
+                raise
+
+
+def _check_profile_against_holds(set_costs):
+    import statistics
     layers = [SleepingLayer(*c) for c in set_costs]
     x = torch.randn(2, 8, requires_grad=True)
     profile = profile_sequential(layers, x, loss=lambda out: out.sum())
