@@ -300,8 +300,8 @@ def placement_advice(profile: Profile, setting: Setting, budget: Budget, chosen,
     best = result.chosen
     if best is None or best.step_s >= ADVICE_MARGIN * chosen.step_s:
         return None
-    copies = _weight_copies(registry.get(best.schedule)(setting.stages, setting.micro_batches,
-                                                        **best.options).placement)
+    copies = _weight_copies(registry.get(best.schedule).placed(setting.stages, setting.micro_batches,
+                                                               **best.options).placement)
     args = "".join(f", {k}={v!r}" for k, v in best.options.items())
     text = (f"another placement would be faster: {best.label.replace(' cut=uniform', '')}, predicted "
             f"{best.step_s * 1e3:.3f} ms ({best.step_s / chosen.step_s:.3f}x the chosen), each rank holding "

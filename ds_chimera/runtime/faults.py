@@ -180,10 +180,16 @@ class FaultMonitor:
 
     def check(self) -> None:
         """Raise :class:`JobFailed` if the job has failed (a waiting call's poll)."""
-        record = self.failed
-        if record is not None:
-            self.delivered = True
-            raise JobFailed(self.line(record) + f" [rank {self.rank} stops too: it was in {self.activity}]")
+        if self.failed is not None:
+            raise self._stop_error()
+
+    def _stop_error(self) -> JobFailed:
+        """The JobFailed this rank's call raises once the job has failed (it reaches the caller)."""
+        self.delivered = True
+        return JobFailed(self.line(self.failed) + self._stops_too())
+
+    def _stops_too(self) -> str:
+        return f" [rank {self.rank} stops too: it was in {self.activity}]"
 
     def wait_interruptibly(self, work, timeout_s: float) -> None:
         """``work.wait(timeout)`` on this thread, ended by the job's failure with :class:`JobFailed`.
@@ -202,8 +208,7 @@ class FaultMonitor:
             raise
         except Exception as exc:
             if self.failed is not None:
-                raise JobFailed(self.line(self.failed) + f" [rank {self.rank} stops too: it was in "
-                                                         f"{self.activity}]") from exc
+                raise self._stop_error() from exc
             raise
         finally:
             self._waiting = False
@@ -353,8 +358,7 @@ class FaultMonitor:
                 if self.hosts_store:        # its own server thread: this process is alive, keep watching
                     continue
                 if self.failed is None:
-                    self.exit(self.line(self.store_silent(exc)) + f" [rank {self.rank} stops too: it was in "
-                                                                  f"{self.activity}]")
+                    self.exit(self.line(self.store_silent(exc)) + self._stops_too())
                     return
                 if self.delivered:
                     return
@@ -375,8 +379,7 @@ class FaultMonitor:
                     self._groups_broken = True
                     threading.Thread(target=self._break_groups, name="ds_chimera-break-groups", daemon=True).start()
                 if not self.delivered and time.monotonic() - self._failed_at > DELIVER_S:
-                    where = "" if record["origin"] == self.rank else f" [rank {self.rank} stops too: it was in " \
-                                                                     f"{self.activity}]"
+                    where = "" if record["origin"] == self.rank else self._stops_too()
                     self.exit(self.line(record) + where)
 
     def close(self) -> None:

@@ -35,6 +35,19 @@ POLL_S = 0.0005
 BOARD = ("pid", "opened", "start", "cycle", "saved", "buffers")
 
 
+def poll_until(ready, timeout_s: float, timeout_message: str, poll_s: float = POLL_S) -> None:
+    """Poll ``ready()`` until it holds. Another rank's failure ends the wait (JobFailed, from the fault
+    monitor) at once; after ``timeout_s`` it is a PeerTimeout with ``timeout_message``."""
+    start = time.monotonic()
+    monitor = faults.current()
+    while not ready():
+        if monitor is not None:
+            monitor.check()
+        if time.monotonic() - start > timeout_s:
+            raise PeerTimeout(timeout_message)
+        time.sleep(poll_s)
+
+
 def _folder() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
@@ -76,15 +89,9 @@ class PairChannel:
     def _wait_for(self, ready, what: str) -> None:
         """Poll ``ready()`` until it holds; a PeerTimeout naming ``what`` after the channel's timeout."""
         start = time.monotonic()
-        monitor = faults.current()
         try:
-            while not ready():
-                if monitor is not None:
-                    monitor.check()          # another rank's failure ends the wait (JobFailed), not the timeout
-                if time.monotonic() - start > self.timeout_s:
-                    raise PeerTimeout(f"ds_chimera wavelet: {what} did not arrive after {self.timeout_s:g}s: a "
-                                      f"task died or is stuck")
-                time.sleep(POLL_S)
+            poll_until(ready, self.timeout_s, f"ds_chimera wavelet: {what} did not arrive after {self.timeout_s:g}s: "
+                                              f"a task died or is stuck")
         finally:
             self.waited += time.monotonic() - start
 

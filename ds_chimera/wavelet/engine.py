@@ -43,9 +43,9 @@ from ..logs import get_logger
 from ..runtime import faults
 from ..runtime.bounded_store import BoundedStore
 from ..runtime.clipping import clip_by_norm
-from ..runtime.p2p import PeerTimeout, wait_or_fail
+from ..runtime.p2p import wait_or_fail
 from ..validation import check_fraction, check_seconds
-from .channel import PairChannel
+from .channel import PairChannel, poll_until
 from .layout import TICK
 
 log = get_logger()
@@ -342,15 +342,9 @@ class WaveletEngine(DeepSpeedEngine):
             self._barriers = getattr(self, "_barriers", 0) + 1
             key = f"barrier/{self._barriers}"
             self.store.add(key, 1)
-            deadline = time.monotonic() + self.wavelet["timeout"]
-            monitor = faults.current()
-            while int(self.store.add(key, 0)) < world:
-                if monitor is not None:
-                    monitor.check()         # another rank's failure ends the barrier (JobFailed)
-                if time.monotonic() > deadline:
-                    raise PeerTimeout(f"ds_chimera wavelet: rank {rank} waited {self.wavelet['timeout']:g}s at a "
-                                      f"checkpoint barrier: a task died or is stuck")
-                time.sleep(0.001)
+            poll_until(lambda: int(self.store.add(key, 0)) >= world, self.wavelet["timeout"],
+                       f"ds_chimera wavelet: rank {rank} waited {self.wavelet['timeout']:g}s at a checkpoint "
+                       f"barrier: a task died or is stuck", poll_s=0.001)
         ds_comm.barrier = barrier
         try:
             yield
