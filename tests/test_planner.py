@@ -276,3 +276,65 @@ def test_the_hf_trainers_path_takes_auto_with_its_keys_checked():
         PipelineConfig.from_deepspeed({"train_batch_size": 8, "pipeline": {"schedule": "auto",
                                                                            "allow_asynchronous": "yes"}},
                                       sharding=False)
+
+
+class _ReturnsATuple(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x), torch.ones(2, dtype=torch.bool)       # a float tensor and a mask
+
+
+class _TakesATuple(nn.Module):
+    def forward(self, pair):
+        return pair[0] * 2
+
+
+class _BackwardNeedsTraining(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            raise RuntimeError("set up by the engine only")
+        return self.proj(x)
+
+
+def test_profile_takes_any_layer_a_real_model_has():
+    """In-place activations (on an input that requires grad), tuples in and out, parameter-free layers, int
+    inputs; a layer whose backward cannot be timed alone is priced from its forward and logged."""
+    layers = [nn.Embedding(16, 8), nn.ReLU(inplace=True), _ReturnsATuple(), _TakesATuple(), nn.Dropout(0.1),
+              nn.ReLU(inplace=True), _BackwardNeedsTraining(), nn.Linear(8, 8)]
+    before = [p.detach().clone() for layer in layers for p in layer.parameters()]
+    import logging
+
+    from ds_chimera.logs import get_logger
+    seen = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    get_logger().addHandler(handler)
+    try:
+        profile = profile_sequential(layers, torch.randint(0, 16, (4,)), loss=lambda out: out.sum())
+    finally:
+        get_logger().removeHandler(handler)
+    assert [layer.name.split(":")[1] for layer in profile.layers] == [type(layer).__name__ for layer in layers]
+    by_name = {layer.name.split(":")[0]: layer for layer in profile.layers}
+    assert by_name["0"].bwd > 0 and by_name["0"].wgrad > 0          # int input: its weights still have a backward
+    assert by_name["1"].bwd > 0 and by_name["1"].wgrad == 0          # in-place ReLU on a received activation
+    assert by_name["2"].params == 72 and by_name["2"].wgrad > 0
+    fallback = by_name["6"]
+    assert fallback.bwd == pytest.approx(2 * fallback.fwd) and fallback.wgrad == pytest.approx(fallback.fwd)
+    assert any("6:_BackwardNeedsTraining could not be timed in the backward" in line for line in seen)
+    after = [p.detach() for layer in layers for p in layer.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))     # profiling trains nothing
+
+
+def test_profile_names_a_layer_that_cannot_run_forward():
+    class Broken(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("shape mismatch")
+    with pytest.raises(ValueError, match="layer 1:Broken fails on the first micro-batch.*shape mismatch"):
+        profile_sequential([nn.Linear(8, 8), Broken()], torch.randn(2, 8), loss=lambda out: out.sum())

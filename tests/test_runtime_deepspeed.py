@@ -244,7 +244,7 @@ def test_global_norm_clipping_where_deepspeed_stock_is_wrong(results):
                                    "stages (4), got 6"),
     ("bad-batch-size-async", "set_train_batch_size(8) with the asynchronous schedule 'pipedream'"),
     ("bad-eval-reduce", "eval_batch: reduce_output must be 'avg' or None, got 'sum'"),
-    ("bad-auto-no-data", '"schedule": "auto" times your layers on a micro-batch of your data: pass training_data'),
+    ("bad-auto-no-data", "the first train_batch/eval_batch has no data: pass data_iter"),
 ])
 def test_bad_config_fails_at_initialize(results, scenario, message):
     assert message in (results[scenario]["error"] or "")

@@ -293,3 +293,17 @@ def test_readme_schedule_table_is_the_simulators():
     shown = readme.split(BEGIN, 1)[1].split(END, 1)[0].strip()
     assert shown == schedule_table()
     assert "| `chimera` |" in shown and "order zero-bubble" in shown
+
+
+def test_chimera_on_one_stage_is_one_copy_running_every_micro_batch():
+    """A 1-stage PipelineModule (pure data parallelism): both replicas would be the whole model on one rank, so
+    Chimera runs one copy's forward and backward per micro-batch, which is 1F1B's (and the stock engine's) order."""
+    from ds_chimera.schedules.chimera import Chimera
+    from ds_chimera.schedules.classic import OneFOneB
+    from ds_chimera.sim import simulate
+    for n in (1, 2, 5):
+        chimera, one_f_one_b = Chimera(1, n), OneFOneB(1, n)
+        assert chimera.orders == one_f_one_b.orders and chimera.placement.num_replicas == 1
+        assert simulate(chimera.lower()).valid
+    with pytest.raises(ValueError, match="pipelines must be 1"):
+        Chimera(1, 4, pipelines=2)

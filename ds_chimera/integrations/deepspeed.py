@@ -7,6 +7,7 @@ model that is not a ``PipelineModule``, DeepSpeed's own function runs untouched.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -93,33 +94,89 @@ def initialize_pipeline(pipeline, model, config: dict, optimizer=None, profile_b
     return _initialize_pipeline(original, call, pipeline, config, profile_batch)
 
 
-def _initialize_pipeline(original, call: dict, pipeline, loaded: dict, profile_batch=None):
-    """Build the schedule's chunks on the PipelineModule, then DeepSpeed's engine of our class."""
+def _initialize_pipeline(original, call: dict, pipeline, loaded: dict, profile_batch=None, rebuild=None):
+    """Build the schedule's chunks on the PipelineModule, then DeepSpeed's engine of our class.
+
+    ``rebuild``: (stock parameter keys, stock optimizer order, the optimizer to rebuild in place) when the
+    plan "auto" made at the first train_batch is built on a module whose stock stage is gone already."""
+    import torch
+
     from ..runtime.engine import ScheduledPipelineEngine
+    from ..runtime.param_groups import stock_parameter_keys
     from ..runtime.setup import prepare_module
     model, optimizer, lr_scheduler, args = call["model"], call.get("optimizer"), call.get("lr_scheduler"), \
         call.get("args")
+    model_parameters = call.get("model_parameters")
+    if model_parameters is not None:
+        model_parameters = list(model_parameters)     # a generator: read once, here
+    if rebuild is None:
+        stock_keys = stock_parameter_keys(model)
+        stock_order = _stock_optimizer_order(model, optimizer, model_parameters, stock_keys)
+        in_place = None
+    else:
+        stock_keys, stock_order, in_place = rebuild
+    deferred = None
     if pipeline.planned:      # "schedule": "auto": profile the layers on the first micro-batch, plan, then go on
         from ..planner.deepspeed import resolve
-        pipeline = resolve(model, pipeline, loaded, call.get("training_data"), call.get("collate_fn"), optimizer,
-                           micro_batch=profile_batch)
-    model_parameters = prepare_module(model, pipeline, call.get("model_parameters"))
-    rebound = _rebind_optimizer(optimizer, model)
-    if rebound is not optimizer and lr_scheduler is not None and not callable(lr_scheduler):
-        raise ValueError("ds_chimera rebuilt the optimizer on the schedule's chunks, so a scheduler instance "
-                         "bound to the old optimizer would not drive it; pass lr_scheduler as a callable "
-                         "(lambda optimizer: ...) or configure it in the DeepSpeed config")
-    call.update(config=_stock_engine_config(loaded, pipeline), config_params=None,
-                model_parameters=model_parameters, optimizer=rebound)
-    if args is not None and (getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)):
-        # DeepSpeed refuses a config both in args and as a dict; the dict (already read) wins.
-        call["args"] = _without_config_path(args)
-    engine_cls = ScheduledPipelineEngine
-    if not model._ds_chimera_plan.schedule.synchronous:
-        from ..runtime.async_engine import AsyncPipelineEngine
-        engine_cls = AsyncPipelineEngine
-    with _engine_class(engine_cls):
-        return original(**call)
+        planned = resolve(model, pipeline, loaded, call.get("training_data"), call.get("collate_fn"), optimizer,
+                          micro_batch=profile_batch, defer=True)
+        if planned is None:   # no data until the first train_batch: plan there (planner/deferred.py)
+            from ..planner.deferred import DeferredPlan
+            deferred = DeferredPlan(None, pipeline, loaded, optimizer, stock_keys)
+            planned = DeferredPlan.provisional(model, pipeline)
+        pipeline = planned
+    # the provisional engine leaves the random streams as it found them (planner/deferred.py)
+    rng = torch.random.fork_rng(devices=_cuda_devices(model)) if deferred is not None else contextlib.nullcontext()
+    with rng:
+        engine_parameters = prepare_module(model, pipeline, model_parameters, stock_keys)
+        model._ds_chimera_plan.stock_optimizer_order = stock_order
+        rebound, kept = _rebind_optimizer(optimizer, model, into=in_place)
+        if rebound is not optimizer and lr_scheduler is not None and not callable(lr_scheduler):
+            # DeepSpeed calls a callable with the optimizer it builds; an instance is moved onto the rebuilt one
+            from ..runtime.schedulers import repoint_scheduler
+            repoint_scheduler(lr_scheduler, optimizer, rebound, kept)
+        call = dict(call, config=_stock_engine_config(loaded, pipeline), config_params=None,
+                    model_parameters=engine_parameters, optimizer=rebound)
+        if args is not None and (getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)):
+            # DeepSpeed refuses a config both in args and as a dict; the dict (already read) wins.
+            call["args"] = _without_config_path(args)
+        engine_cls = ScheduledPipelineEngine
+        if not model._ds_chimera_plan.schedule.synchronous:
+            from ..runtime.async_engine import AsyncPipelineEngine
+            engine_cls = AsyncPipelineEngine
+        with _engine_class(engine_cls):
+            result = original(**call)
+    if deferred is not None:
+        first_call = dict(call, model_parameters=model_parameters, optimizer=optimizer, config=loaded)
+        deferred.build = lambda plan: _initialize_pipeline(
+            original, first_call, plan, loaded, rebuild=(stock_keys, stock_order, rebound))
+        result[0]._deferred_plan = deferred
+    return result
+
+
+def _cuda_devices(model) -> list:
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    device = torch.device(get_accelerator().device_name(model.local_rank))
+    return [device] if device.type == "cuda" else []
+
+
+def _stock_optimizer_order(model, optimizer, model_parameters, stock_keys: dict) -> list:
+    """Every rank's stock optimizer layout (:func:`~ds_chimera.runtime.param_groups.optimizer_order`), gathered:
+    the groups an optimizer instance holds, else ``model_parameters``, else the stock stage's parameters, as
+    DeepSpeed would build its optimizer from them."""
+    import torch
+    import torch.distributed as dist
+
+    from ..runtime.param_groups import optimizer_order
+    if isinstance(optimizer, torch.optim.Optimizer):
+        groups = optimizer.param_groups
+    else:
+        groups = model_parameters if model_parameters else list(model.parameters())
+    mine = optimizer_order(groups, stock_keys) if groups else []
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
 
 
 def _stock_engine_config(config: dict, pipeline) -> dict:
@@ -194,20 +251,22 @@ def _wave_batch_size(config: dict, world: int, wave_size: int) -> None:
         config["train_batch_size"] = micro * gas * wave_size
 
 
-def _rebind_optimizer(optimizer, model):
+def _rebind_optimizer(optimizer, model, into=None):
     """An optimizer built on the stock stage's parameters is rebuilt on the schedule's chunks, with
-    its parameter groups and their options (see runtime/param_groups.py)."""
+    its parameter groups and their options (see runtime/param_groups.py): ``(optimizer, kept)``, ``kept``
+    the index of the given group each rebuilt group came from. ``into``: an optimizer of the same class
+    rebuilt in place (it keeps its identity: the object ``initialize`` returned stays the live one)."""
     import torch
     if not isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer    # None (config optimizer) or a callable taking the parameters
+        return optimizer, []    # None (config optimizer) or a callable taking the parameters
     if optimizer.state:
         raise ValueError("ds_chimera rebuilds the pipeline stages, so an optimizer instance that has already "
                          "stepped (it has state) cannot follow its parameters; pass it before any step, as a "
                          "callable (lambda params: torch.optim.AdamW(params, ...)), or in the config")
     from ..runtime.param_groups import rebuild_optimizer
-    groups = model._ds_chimera_regroup(optimizer.param_groups,
-                                       what=f"the optimizer's ({type(optimizer).__name__}) param_groups")
-    return rebuild_optimizer(optimizer, groups)
+    groups, kept = model._ds_chimera_regroup(optimizer.param_groups, with_origin=True,
+                                             what=f"the optimizer's ({type(optimizer).__name__}) param_groups")
+    return rebuild_optimizer(optimizer, groups, into=into), kept
 
 
 def _without_config_path(args):

@@ -28,11 +28,14 @@ OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "fusedadam": 8, "cpuadam": 8, "l
                          "adagrad": 4, "sgd": 0}
 
 
-def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None, optimizer=None, micro_batch=None):
+def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None, optimizer=None, micro_batch=None,
+            defer: bool = False):
     """The PipelineConfig with ``auto`` replaced by the planner's choice (every rank, same answer).
 
     ``micro_batch``: the (inputs, labels) pair to profile on, instead of the first micro-batch of
-    ``training_data`` (only rank 0's is used)."""
+    ``training_data`` (only rank 0's is used; other ranks may pass :data:`ON_RANK0`). ``defer``: with no data
+    to profile on (and no plan or profile file), return None instead of raising: the caller plans at the first
+    ``train_batch`` (:mod:`.deferred`)."""
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
@@ -58,17 +61,17 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
             raise ValueError(f'"pipeline": profile_file {profile_file!r} profiles {profile.num_layers} layers; this '
                              f"PipelineModule has {len(module._layer_specs)}: delete it to profile again")
     elif training_data is None and micro_batch is None:
+        if defer:
+            return None
         raise ValueError('"schedule": "auto" times your layers on a micro-batch of your data: pass training_data to '
                          "deepspeed.initialize (as DeepSpeed's pipeline examples do), or name a profile_file or "
                          "plan_file an earlier run wrote, or name a schedule")
-    payload = [None]
-    if profile is None and rank == 0:
-        log.info("schedule auto: profiling %d layers on %s", len(module._layer_specs), device)
-        payload[0] = profile_module(module, training_data, collate_fn, pipeline, dp, device,
-                                    _optimizer_state_bytes(config, optimizer), micro_batch).to_json()
     if profile is None:
-        dist.broadcast_object_list(payload, src=0)
-        profile = Profile.from_json(payload[0])
+        def profiled():
+            log.info("schedule auto: profiling %d layers on %s", len(module._layer_specs), device)
+            return profile_module(module, training_data, collate_fn, pipeline, dp, device,
+                                  _optimizer_state_bytes(config, optimizer), micro_batch).to_json()
+        profile = Profile.from_json(_on_rank0_for_all(profiled, "profiling the layers", dist))
     first, second = grid.stage_to_global(stage_id=0), grid.stage_to_global(stage_id=min(1, stages - 1))
     big = max(max(layer.output_bytes for layer in profile.layers), 1 << 20)
     grads = max(sum(layer.param_bytes for layer in profile.layers) // max(1, stages), 1 << 20)
@@ -85,24 +88,40 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
                       zero=pipeline.zero_stage, checkpoint_interval=pipeline.checkpoint_interval(module.activation_checkpoint_interval),
                       allow_asynchronous=bool(options.get("allow_asynchronous")))
     budget = Budget(memory_bytes=_memory_budget(options, device, dist), max_activations=options.get("max_activations"))
-    decided = [None]
-    if rank == 0:
+    def planned():
         result = plan(profile, setting, budget)
         log.info("schedule auto:\n%s", result.report())
         if result.chosen is None:
-            decided[0] = {"error": result.why_nothing()}
-        else:
-            decided[0] = {"pipeline": result.pipeline_section(), "step_s": result.chosen.step_s,
-                          "peak_bytes": result.chosen.peak_bytes}
-            if options.get("plan_file"):
-                from ..atomic import write_text_atomic
-                write_text_atomic(options["plan_file"], json.dumps({"pipeline": decided[0]["pipeline"]},
-                                                                   indent=1) + "\n")
-    dist.broadcast_object_list(decided, src=0)
-    if "error" in decided[0]:
-        raise ValueError(decided[0]["error"])
-    module._ds_chimera_auto = decided[0]      # the choice and its predicted step and peak memory, for reports
-    return pipeline.with_plan(decided[0]["pipeline"])
+            return {"error": result.why_nothing()}
+        chosen = {"pipeline": result.pipeline_section(), "step_s": result.chosen.step_s,
+                  "peak_bytes": result.chosen.peak_bytes}
+        if options.get("plan_file"):
+            from ..atomic import write_text_atomic
+            write_text_atomic(options["plan_file"], json.dumps({"pipeline": chosen["pipeline"]}, indent=1) + "\n")
+        return chosen
+    decided = _on_rank0_for_all(planned, "planning", dist)
+    module._ds_chimera_auto = decided      # the choice and its predicted step and peak memory, for reports
+    return pipeline.with_plan(decided["pipeline"])
+
+
+def _on_rank0_for_all(work, what: str, dist):
+    """``work()`` on rank 0, its result sent to every rank; its failure (or an ``{"error": ...}`` result) is
+    raised on every rank, not only on rank 0 while the others wait for the result."""
+    out = [None]
+    if dist.get_rank() == 0:
+        try:
+            out[0] = work()
+        except Exception as exc:         # noqa: BLE001  (re-raised below, on every rank)
+            out[0] = {"error": f'"schedule": "auto" failed on rank 0 while {what}: {type(exc).__name__}: {exc}',
+                      "raised": exc}
+    shared = [{k: v for k, v in out[0].items() if k != "raised"} if isinstance(out[0], dict) else out[0]]
+    dist.broadcast_object_list(shared, src=0)
+    if isinstance(shared[0], dict) and "error" in shared[0]:
+        raise ValueError(shared[0]["error"]) from (out[0] or {}).get("raised")
+    return shared[0]
+
+
+ON_RANK0 = ("the micro-batch", "rank 0 profiles")   # resolve(micro_batch=) on ranks other than 0, deferred planning
 
 
 def _saved_plan(path, dist):

@@ -170,6 +170,25 @@ def _detached(value):
     return value
 
 
+def _trainable_params(func) -> list:
+    """The trainable parameters of a layer: a module, or a tied module's ``partial(forward_fn, module)``."""
+    module = func.args[0] if hasattr(func, "args") and func.args and isinstance(func.args[0], torch.nn.Module) \
+        else func
+    return [p for p in module.parameters() if p.requires_grad] if isinstance(module, torch.nn.Module) else []
+
+
+def _fresh(value):
+    """``value`` with each tensor that requires grad replaced by a non-leaf copy (the leaf's gradient still
+    flows): what a layer's in-place first operation may modify."""
+    if torch.is_tensor(value):
+        return value.clone() if value.requires_grad else value
+    if isinstance(value, tuple):
+        return tuple(_fresh(v) for v in value)
+    if isinstance(value, list):
+        return [_fresh(v) for v in value]
+    return value
+
+
 def _saved_bytes(run, params: set) -> tuple:
     """(output, bytes saved for the backward by ``run()``): each storage once, parameters left out."""
     seen, total = set(), [0]
@@ -191,15 +210,15 @@ def profile_layer(func, x, name: str, device: torch.device, loss=None, **reps) -
 
     Returns (LayerCost, the output as the next layer's input).
     """
-    module = func.args[0] if hasattr(func, "args") and func.args and isinstance(func.args[0], torch.nn.Module) \
-        else func
-    params = [p for p in module.parameters() if p.requires_grad] if isinstance(module, torch.nn.Module) else []
+    params = _trainable_params(func)
     param_ids = {id(p) for p in params} | {p.untyped_storage().data_ptr() for p in params}
     inputs = [t for t in _tensors(x) if t.requires_grad]
     clock = _Clock(device)
 
     def forward():
-        out = func(x)
+        # each call gets its own non-leaf copy of the input: an in-place first op (ReLU(inplace=True)) may
+        # then modify it, as it does a received activation in training, and ``x`` stays intact for the next call
+        out = func(_fresh(x))
         return loss(out) if loss is not None else out
 
     def seeds(out):
@@ -208,7 +227,7 @@ def profile_layer(func, x, name: str, device: torch.device, loss=None, **reps) -
 
     out, saved = _saved_bytes(forward, param_ids)
     with torch.no_grad():
-        result = func(x)
+        result = func(_fresh(x))
     fwd = stable_median(lambda: clock.time(forward), **reps)
     trainable = bool(params) or bool(inputs)
 
@@ -248,9 +267,36 @@ def profile_layers(factories: list, first_input, device, loss=None, **reps) -> l
     costs, x = [], _detached(first_input)
     for index, (name, build) in enumerate(factories):
         last = index == len(factories) - 1
-        cost, x = profile_layer(build(), x, name, device, loss if last else None, **reps)
+        layer = build()
+        try:
+            cost, x = profile_layer(layer, x, name, device, loss if last else None, **reps)
+        except Exception as exc:        # noqa: BLE001  (any layer a model has: price it, never stop the run)
+            cost, x = _priced_from_forward(layer, x, name, device, exc, **reps)
         costs.append(cost)
     return costs
+
+
+def _priced_from_forward(func, x, name: str, device, error: Exception, **reps) -> tuple:
+    """A layer whose backward could not be timed alone (it needs state only training sets up, say) is priced
+    from its forward, with the usual ratios: backward = 2 x forward, weight-grad = forward (0 without
+    parameters). Logged; a layer whose forward fails too cannot train either, and that is raised."""
+    from ..logs import get_logger
+    clock = _Clock(device)
+    try:
+        with torch.no_grad():
+            result = func(_fresh(x))
+            fwd = stable_median(lambda: clock.time(lambda: func(_fresh(x))), **reps)
+    except Exception as exc:            # noqa: BLE001
+        raise ValueError(f'"schedule": "auto": layer {name} fails on the first micro-batch, so it cannot be '
+                         f"profiled (nor trained): {type(exc).__name__}: {exc}") from exc
+    params = _trainable_params(func)
+    get_logger().warning("schedule auto: layer %s could not be timed in the backward (%s: %s); priced from its "
+                         "forward (%.3g ms): backward = 2 x forward, weight-grad = forward", name,
+                         type(error).__name__, error, fwd * 1e3)
+    cost = LayerCost(name=name, fwd=fwd, bwd=2 * fwd, wgrad=fwd if params else 0.0, activation_bytes=_nbytes(result),
+                     output_bytes=_nbytes(result), param_bytes=sum(p.numel() * p.element_size() for p in params),
+                     params=sum(p.numel() for p in params))
+    return cost, _detached(result)
 
 
 def profile_sequential(layers: list, inputs, loss=None, device=None, micro_batch_size: int = 1,

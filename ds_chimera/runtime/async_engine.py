@@ -106,6 +106,8 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
                      type(self.optimizer).__name__, schedule.config["steps_ahead"])
 
     def set_train_batch_size(self, train_batch_size):
+        if train_batch_size == self.train_batch_size():
+            return           # Megatron-DeepSpeed calls it every iteration; the same size changes nothing
         raise ValueError(f"set_train_batch_size({train_batch_size!r}) with the asynchronous schedule "
                          f"{self.schedule.name!r}: its update interval, weight versions and prediction gaps are "
                          f"set up for {self.micro_batches} micro-batches per call; build a new engine for another "

@@ -72,13 +72,31 @@ def load_written(path: str, device):
 
 
 def load_layers(engine, path: str, strict: bool = True) -> None:
+    first_use = _tied_first_use(engine.module._layer_specs)
     for idx, (_, obj) in sorted(layer_objects(engine).items()):
         if not hasattr(obj, "load_state_dict"):
             continue
         file = layer_file(engine, path, idx)
+        if not os.path.exists(file) and idx in first_use:
+            # DeepSpeed's stock engine writes a tied module at its first layer only (a later use with a
+            # forward_fn is a function to it), and takes the weights from there: so do we
+            file = layer_file(engine, path, first_use[idx])
         if not os.path.exists(file):
             raise FileNotFoundError(f"checkpoint {path} has no weights for layer {idx} ({file})")
         obj.load_state_dict(load_written(file, engine.device), strict=strict)
+
+
+def _tied_first_use(specs) -> dict:
+    """Layer index -> the first layer index of the same tied key, for every tied layer but the first."""
+    from deepspeed.runtime.pipe.module import TiedLayerSpec
+    first, out = {}, {}
+    for idx, spec in enumerate(specs):
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key in first:
+                out[idx] = first[spec.key]
+            else:
+                first[spec.key] = idx
+    return out
 
 
 def layout(engine) -> dict:
@@ -121,58 +139,91 @@ def read_latest(load_dir: str):
         return fh.read().strip()
 
 
-def check_layout(engine, load_dir: str, tag) -> None:
-    """Refuse optimizer state saved under another layout (it would be misread).
-
-    A checkpoint of DeepSpeed's stock engine has no layout file; its optimizer state is
-    taken where it maps parameter for parameter (:func:`stock_compatible`).
-    """
+def saved_layout(load_dir: str, tag):
+    """The layout a ds_chimera checkpoint recorded, or None for a checkpoint of DeepSpeed's stock engine."""
     path = os.path.join(load_dir, str(tag), LAYOUT_FILE) if tag is not None else ""
-    saved = None
-    if path and os.path.exists(path):
-        with open(path) as fh:
-            saved = json.load(fh)
-    if saved == layout(engine) or (saved is None and stock_compatible(engine, load_dir, tag)):
+    if not (path and os.path.exists(path)):
+        return None
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def check_layout(engine, load_dir: str, tag) -> None:
+    """Refuse optimizer state saved by ds_chimera under another layout (it would be misread); a stock
+    checkpoint's is mapped by :func:`stock_optimizer_state` instead."""
+    saved = saved_layout(load_dir, tag)
+    if saved is None or saved == layout(engine):
         return
-    writer = saved or "DeepSpeed's stock engine (no layout file), with another cut or parameter order"
-    raise ValueError(f"checkpoint {load_dir}/{tag} was written under {writer}; this engine is "
+    raise ValueError(f"checkpoint {load_dir}/{tag} was written under {saved}; this engine is "
                      f"{layout(engine)}: its optimizer state does not map onto these chunks. Load the weights "
                      f"only: load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False)")
 
 
-def stock_compatible(engine, load_dir: str, tag) -> bool:
-    """True if a stock DeepSpeed checkpoint's optimizer state maps onto this engine's, parameter for parameter.
+def stock_optimizer_state(engine, load_dir: str, tag) -> dict:
+    """This rank's optimizer state dict, taken from a checkpoint of DeepSpeed's stock engine.
 
-    That is so when this schedule places stage r alone on rank r (gpipe, 1f1b, zb-h1) with
-    DeepSpeed's own cut of this PipelineModule, no tied layers, the same data parallelism,
-    and the saved state's parameter groups have this optimizer's sizes and shapes.
+    The stock engine saves, per pipeline stage, its optimizer's state indexed by position in that stage's
+    parameter groups. ``engine.plan.stock_optimizer_order`` says which parameter (layer index and name, or
+    tied key) each position was for the stock cut of this module, so every chunk parameter finds its state
+    in whichever stage's file held it, whatever the schedule's cut and placement. Raises ValueError with the
+    reason where that cannot be done (another pipeline size or parameter grouping, ZeRO or bf16 state).
     """
     import torch
-    placement = engine.placement
-    if placement.stage_ranks != [list(range(placement.num_ranks))] or engine.host.tied_modules:
-        return False
-    if list(engine.plan.parts) != list(engine.module.parts) or engine.zero_optimization_stage() or \
-            engine.using_bf16_optimizer:
-        return False
-    path = engine._get_ckpt_name(load_dir, tag)
-    if not os.path.exists(path):
-        return False
-    # DeepSpeed's own model-states file (its config, version, client state): DeepSpeed loads it alike
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    saved = state.get("optimizer") or {}
-    if state.get("dp_world_size") != engine.dp_size or state.get("mp_world_size") != engine.num_stages or \
-            "param_groups" not in saved:
-        return False
-    ours = engine.optimizer.param_groups
-    if [len(g["params"]) for g in saved["param_groups"]] != [len(g["params"]) for g in ours]:
-        return False
-    shapes = [p.shape for g in ours for p in g["params"]]
-    index = [i for g in saved["param_groups"] for i in g["params"]]
-    for position, i in enumerate(index):
-        for value in saved.get("state", {}).get(i, {}).values():
-            if isinstance(value, torch.Tensor) and value.dim() and value.shape != shapes[position]:
-                return False
-    return True
+
+    from .param_groups import chunk_parameter_keys
+    weights_only = "load the weights only: load_checkpoint(..., load_optimizer_states=False)"
+    if engine.zero_optimization_stage() or engine.using_bf16_optimizer or \
+            not isinstance(engine.optimizer, torch.optim.Optimizer):
+        raise ValueError(f"checkpoint {load_dir}/{tag} was written by DeepSpeed's stock engine, and ds_chimera maps "
+                         f"a stock optimizer state onto a schedule's chunks only for an fp32 optimizer without ZeRO "
+                         f"(this engine's is {type(engine.optimizer).__name__}); {weights_only}")
+    order = engine.plan.stock_optimizer_order
+    where = {}                      # key -> (stage, flat position in that stage's saved state)
+    files = {}
+    for stage in range(engine.num_stages):
+        path = engine._get_ckpt_name(load_dir, tag, mp_placeholder=f"{stage:02d}")
+        if not os.path.exists(path):
+            raise ValueError(f"checkpoint {load_dir}/{tag} has no file for pipeline stage {stage} ({path}): it was "
+                             f"written with another pipeline size than this run's {engine.num_stages}; {weights_only}")
+        # DeepSpeed's own model-states file (its config, version, client state): DeepSpeed loads it alike
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        optimizer = saved.get("optimizer") or {}
+        layout_here = order[engine.grid.stage_to_global(stage_id=stage, data=0)]
+        sizes = [len(g["params"]) for g in optimizer.get("param_groups", [])]
+        if sizes != [len(group) for group in layout_here]:
+            raise ValueError(f"checkpoint {load_dir}/{tag}: stage {stage}'s optimizer has parameter groups of sizes "
+                             f"{sizes}, and this script builds {[len(g) for g in layout_here]} there: it was written "
+                             f"with another cut or grouping of the parameters; {weights_only}")
+        files[stage] = optimizer
+        for group_index, group in enumerate(layout_here):
+            for (key, shape), position in zip(group, optimizer["param_groups"][group_index]["params"]):
+                for value in optimizer.get("state", {}).get(position, {}).values():
+                    if isinstance(value, torch.Tensor) and value.dim() and tuple(value.shape) != tuple(shape):
+                        raise ValueError(f"checkpoint {load_dir}/{tag}: stage {stage}'s optimizer state for "
+                                         f"{key} has shape {tuple(value.shape)}, the parameter {tuple(shape)}; "
+                                         f"{weights_only}")
+                where.setdefault(key, (stage, group_index, position))
+    keys = {id(p): key for key, p in chunk_parameter_keys(engine.module)}
+    state, groups, index = {}, [], 0
+    for group in engine.optimizer.param_groups:
+        positions = []
+        source = None
+        for p in group["params"]:
+            key = keys.get(id(p))
+            if key not in where:
+                raise ValueError(f"checkpoint {load_dir}/{tag}: the stock optimizer state has no entry for {key}; "
+                                 f"{weights_only}")
+            stage, group_index, position = where[key]
+            source = source or (stage, group_index)
+            saved_state = files[stage].get("state", {}).get(position)
+            if saved_state is not None:
+                state[index] = saved_state
+            positions.append(index)
+            index += 1
+        options = {k: v for k, v in files[source[0]]["param_groups"][source[1]].items() if k != "params"} \
+            if source else {k: v for k, v in group.items() if k != "params"}
+        groups.append({**options, "params": positions})
+    return {"state": state, "param_groups": groups}
 
 
 def stage_dir(save_dir: str, tag: str) -> str:

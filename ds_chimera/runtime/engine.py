@@ -57,8 +57,12 @@ class ScheduledPipelineEngine(PipelineEngine):
             self.host.shards.engine_ready()
         self.executor = StepExecutor(self.host)
         self.faults = faults.monitor(plan.timeout_s)     # one rank's failure ends every rank, naming it
+        self._deferred_plan = None      # "auto" planned at the first call (planner/deferred.py)
+        self._pending_batches = []      # micro-batches taken from the iterator before the step (that plan's)
+        self._given_iterator = None     # the script's iterator on every rank (the plan may move the data ranks)
         self.step_records = []
         self._eval_programs = {}        # micro-batch count -> Plan, for eval_batch(num_micro_batches=)
+        self._train_plans = {plan.schedule.micro_batches: plan}   # set_train_batch_size's, each built once
         if self.global_rank == 0:
             log.info("schedule %r on %d ranks x %d data-parallel, %d micro-batches, %d chunk(s) per rank",
                      self.schedule.name, self.num_stages, self.dp_size, self.micro_batches,
@@ -81,14 +85,16 @@ class ScheduledPipelineEngine(PipelineEngine):
         return self.module._ds_chimera_plan.loads_data(self.grid.get_stage_id())
 
     def set_dataiterator(self, iterator):
+        self._given_iterator = iterator
         if self._loads_data():
             self.training_dataloader = None
             self.data_iterator = iterator
 
     def set_dataloader(self, loader):
+        self._given_iterator = iter(loader)
         if self._loads_data():
             self.training_dataloader = loader
-            self.data_iterator = iter(loader)
+            self.data_iterator = self._given_iterator
 
     def _load_batches(self, count: int) -> dict:
         """Every data-loading rank reads all ``count`` micro-batches of the step, in order."""
@@ -99,7 +105,7 @@ class ScheduledPipelineEngine(PipelineEngine):
                              "to train_batch()/eval_batch() or training_data to initialize()")
         batches = {}
         for mb in range(count):
-            batch = self._next_batch()
+            batch = self._pending_batches.pop(0) if self._pending_batches else self._next_batch()
             if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
                 raise ValueError("pipeline batches must be (inputs, labels) pairs, as DeepSpeed's; "
                                  f"got {type(batch).__name__}")
@@ -137,6 +143,9 @@ class ScheduledPipelineEngine(PipelineEngine):
     def train_batch(self, data_iter=None):
         if not torch._C.is_grad_enabled():
             raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
+        if self._deferred_plan is not None:    # raises the same error on every rank, as initialize does
+            self._deferred_plan.plan_and_rebuild(self, data_iter)
+            data_iter = None
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
@@ -193,6 +202,9 @@ class ScheduledPipelineEngine(PipelineEngine):
         The default arguments return the mean loss on every rank (``bcast_loss=False`` too: the value is
         there anyway); the others follow the stock engine, results on its last stage's rank."""
         check_eval_arguments(reduce_output, num_micro_batches)
+        if self._deferred_plan is not None:
+            self._deferred_plan.plan_and_rebuild(self, data_iter)
+            data_iter = self.data_iterator
         micro_batches = self.micro_batches if num_micro_batches is None else num_micro_batches
         program = self._eval_program(micro_batches)
         plain = compute_loss and not return_logits and reduce_output is not None
@@ -251,14 +263,19 @@ class ScheduledPipelineEngine(PipelineEngine):
                              f"train_micro_batch_size_per_gpu x data-parallel size = {per_step}, got "
                              f"{train_batch_size!r}")
         micro_batches = train_batch_size // per_step
-        plan = with_micro_batches(self.plan, micro_batches, f"set_train_batch_size({train_batch_size})")
+        if micro_batches == self.schedule.micro_batches:
+            super().set_train_batch_size(train_batch_size)   # a ramp-up script calls this every step: nothing to do
+            return
+        plan = self._train_plans.get(micro_batches)
+        if plan is None:
+            plan = with_micro_batches(self.plan, micro_batches, f"set_train_batch_size({train_batch_size})")
+            self._train_plans[micro_batches] = plan
+            if self.global_rank == 0:
+                log.info("schedule %r built for %d micro-batches (train_batch_size %d)", plan.schedule.name,
+                         micro_batches, train_batch_size)
         super().set_train_batch_size(train_batch_size)
         self.plan = self.host.plan = self.module._ds_chimera_plan = plan
         self.schedule = plan.schedule
-        self._eval_programs.clear()
-        if self.global_rank == 0:
-            log.info("schedule %r rebuilt for %d micro-batches (train_batch_size %d)", self.schedule.name,
-                     micro_batches, train_batch_size)
 
     def reset_activation_shape(self):
         super().reset_activation_shape()
@@ -296,20 +313,31 @@ class ScheduledPipelineEngine(PipelineEngine):
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None, **kwargs):
         """DeepSpeed's load, refusing optimizer state saved under another layout (it would be misread)."""
+        if self._deferred_plan is not None and ckpt.saved_layout(load_dir, tag or ckpt.read_latest(load_dir)):
+            raise ValueError(f'"schedule": "auto" plans at the first train_batch here (no training_data was given), '
+                             f"and checkpoint {load_dir} was written by ds_chimera under a plan this engine does "
+                             f'not know yet: name the plan_file that run wrote in the "pipeline" section (a run with '
+                             f"plan_file set writes it), or name its schedule")
         if tag is None:
             tag = ckpt.read_latest(load_dir)
             if tag is None:      # as DeepSpeed: nothing to resume from is a warning and (None, None)
                 log.warning("no checkpoint to load in %s: it has no 'latest' file (a save that did not "
                             "complete writes none); pass tag=... to load a given one", load_dir)
                 return None, None
+        stock_state = None
         if load_optimizer_states and not load_module_only:
-            ckpt.check_layout(self, load_dir, tag)
+            if ckpt.saved_layout(load_dir, tag) is None:      # the stock engine's: mapped parameter by parameter
+                stock_state = ckpt.stock_optimizer_state(self, load_dir, tag)
+            else:
+                ckpt.check_layout(self, load_dir, tag)
         with self._guard(f"load_checkpoint {load_dir}/{tag}"), self.gathered_weights():
             result = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
-                                             load_optimizer_states=load_optimizer_states,
+                                             load_optimizer_states=load_optimizer_states and stock_state is None,
                                              load_lr_scheduler_states=load_lr_scheduler_states,
                                              load_module_only=load_module_only, custom_load_fn=custom_load_fn,
                                              **kwargs)
+            if stock_state is not None and result[0] is not None:
+                self.optimizer.load_state_dict(stock_state)
             if self.host.shards is not None and result[0] is not None:    # the loaded full weights' slices
                 for sharded in self.host.shards.by_chunk.values():
                     sharded.shard_from_full()
@@ -318,6 +346,11 @@ class ScheduledPipelineEngine(PipelineEngine):
             if load_optimizer_states and not load_module_only and result[0] is not None and tag is not None:
                 self._load_extra_state(os.path.join(load_dir, str(tag)))
             self._barrier(f"every rank's load of checkpoint {load_dir}/{tag}")
+        if self._deferred_plan is not None:     # a stock checkpoint: loaded again into the planned engine
+            self._deferred_plan.loads.append(((load_dir,), dict(
+                tag=tag, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                custom_load_fn=custom_load_fn, **kwargs)))
         return result
 
     def _save_extra_state(self, directory: str) -> None:

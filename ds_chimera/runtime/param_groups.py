@@ -131,8 +131,9 @@ def _name(key: Key) -> str:
     return key[1]
 
 
-def remap_groups(model_parameters, stock_keys: dict, module, gather) -> tuple[list, bool]:
-    """The user's groups over the chunks' parameters: ``(groups, plain)``.
+def remap_groups(model_parameters, stock_keys: dict, module, gather) -> tuple[list, bool, list]:
+    """The user's groups over the chunks' parameters: ``(groups, plain, kept)``, ``kept[i]`` being the index
+    of the user's group that ``groups[i]`` came from.
 
     ``gather(obj)`` all-gathers one object over every rank (collective: each rank calls this once
     per ``initialize``). A trainable chunk parameter in no group is refused, as a silently frozen
@@ -148,8 +149,16 @@ def remap_groups(model_parameters, stock_keys: dict, module, gather) -> tuple[li
                              f"the stages and cannot leave it untrained as the stock engine would; put it in a "
                              f"group, or freeze it with requires_grad=False in the layer")
         buckets[member[key]].append(p)
-    remapped = [{**opts, "params": bucket} for opts, bucket in zip(options, buckets) if bucket]
-    return remapped, plain
+    kept = [index for index, bucket in enumerate(buckets) if bucket]
+    return [{**options[index], "params": buckets[index]} for index in kept], plain, kept
+
+
+def optimizer_order(groups_or_params, stock_keys: dict) -> list:
+    """The stock engine's optimizer layout on this rank: per parameter group, ``(key, shape)`` of each parameter
+    in order. A stock checkpoint indexes its optimizer state by position in that layout, so this is what maps
+    the state onto other chunks (see ``checkpoint.stock_optimizer_state``). Call before the stock stage goes."""
+    groups, _ = _as_groups(groups_or_params)
+    return [[(stock_keys.get(id(p)), tuple(p.shape)) for p in group["params"]] for group in groups]
 
 
 def distinct_options(groups: list) -> int:
@@ -162,14 +171,18 @@ def distinct_options(groups: list) -> int:
     return len(seen)
 
 
-def rebuild_optimizer(optimizer, groups: list):
+def rebuild_optimizer(optimizer, groups: list, into=None):
     """``optimizer``'s class over ``groups``, with the defaults its constructor takes (``defaults`` can
-    hold more: AdamW's inherited ``decoupled_weight_decay``)."""
+    hold more: AdamW's inherited ``decoupled_weight_decay``). ``into``: an optimizer of that class to
+    construct again in place, instead of a new object."""
     cls = type(optimizer)
     accepted = inspect.signature(cls.__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
     try:
+        if into is not None:
+            cls.__init__(into, groups, **defaults)
+            return into
         return cls(groups, **defaults)
     except TypeError as exc:
         raise ValueError(f"ds_chimera cannot rebuild the optimizer {cls.__name__} over the pipeline's parameters "

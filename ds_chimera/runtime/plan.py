@@ -22,6 +22,9 @@ class Plan:
     eval_program: Program     # forward only
     parts: list               # layer boundaries of the placement's stages
     config: PipelineConfig    # what the user asked (timeout, tracing, ZeRO, clipping...)
+    # per global rank, the stock engine's optimizer layout (param_groups.optimizer_order): what maps a stock
+    # checkpoint's optimizer state onto the chunks; set at initialize
+    stock_optimizer_order: list | None = None
 
     @property
     def placement(self):
@@ -119,7 +122,7 @@ def with_micro_batches(plan: Plan, micro_batches: int, what: str) -> Plan:
                          f"{micro_batches} micro-batches than for {plan.schedule.micro_batches}, so the layers "
                          f"built on each rank would not serve it; build a new engine")
     program, eval_program = _programs(plan.config, schedule)
-    return Plan(schedule, program, eval_program, plan.parts, plan.config)
+    return Plan(schedule, program, eval_program, plan.parts, plan.config, plan.stock_optimizer_order)
 
 
 def sharded_programs(program: Program, eval_program: Program, zero: int, reshard: bool) -> tuple:

@@ -15,12 +15,13 @@ from .plan import make_plan
 log = get_logger()
 
 
-def prepare_module(module, config: PipelineConfig, model_parameters):
+def prepare_module(module, config: PipelineConfig, model_parameters, stock_keys: dict | None = None):
     """Validate the schedule, build this rank's chunks and replace the stock stage's layers.
 
     Returns the parameters the optimizer should see. Raises ValueError for a bad schedule,
-    option or layer count, on every rank and before any step.
-    """
+    option or layer count, on every rank and before any step. ``stock_keys``: the stock stage's
+    parameter keys (``stock_parameter_keys``), where its layers were replaced already (a module built
+    again for the plan "auto" makes at the first train_batch)."""
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
 
@@ -31,7 +32,8 @@ def prepare_module(module, config: PipelineConfig, model_parameters):
                          f"{grid.get_slice_parallel_world_size()}")
     num_stages = grid.pipe_parallel_size
     dp = grid.data_parallel_size
-    stock_keys = stock_parameter_keys(module)        # the stock stage's parameters, about to go
+    if stock_keys is None:
+        stock_keys = stock_parameter_keys(module)    # the stock stage's parameters, about to go
     if model_parameters is not None:
         # model.parameters() is a generator: read it now, before the stock stage's layers are replaced
         model_parameters = list(model_parameters)
@@ -88,12 +90,20 @@ def prepare_module(module, config: PipelineConfig, model_parameters):
     return module._ds_chimera_regroup(model_parameters, what="model_parameters")
 
 
-def _regroup(module, model_parameters, *, stock_keys: dict, zero: int, what: str):
-    """``model_parameters`` (or an optimizer's groups) over the chunks: see :mod:`.param_groups`."""
+def _regroup(module, model_parameters, *, stock_keys: dict, zero: int, what: str, with_origin: bool = False):
+    """``model_parameters`` (or an optimizer's groups) over the chunks: see :mod:`.param_groups`.
+
+    ``with_origin``: return ``(groups, kept)``, ``kept[i]`` the index of the given group that ``groups[i]``
+    came from (an LR scheduler's per-group state follows it: see :mod:`.schedulers`)."""
+    result, kept = _regrouped(module, model_parameters, stock_keys, zero, what)
+    return (result, kept) if with_origin else result
+
+
+def _regrouped(module, model_parameters, stock_keys: dict, zero: int, what: str) -> tuple:
     if not model_parameters:
         # DeepSpeed then takes model.parameters(): the chunks' (or, under ZeRO-2/3, their shards)
-        return module._ds_chimera_shards.shard_params if zero >= 2 else None
-    groups, plain = remap_groups(model_parameters, stock_keys, module, _all_gather_object)
+        return (module._ds_chimera_shards.shard_params if zero >= 2 else None), []
+    groups, plain, kept = remap_groups(model_parameters, stock_keys, module, _all_gather_object)
     if zero >= 2:
         if distinct_options(groups) > 1:
             raise ValueError(f"{what} has parameter groups with different options, and ZeRO stage {zero} with "
@@ -101,10 +111,10 @@ def _regroup(module, model_parameters, *, stock_keys: dict, zero: int, what: str
                              f"set zero_optimization.stage to 0 or 1, or give every group the same options")
         shards = module._ds_chimera_shards.shard_params
         options = {k: v for k, v in groups[0].items() if k != "params"} if groups else {}
-        return shards if plain else [{**options, "params": shards}]
+        return (shards if plain else [{**options, "params": shards}]), kept[:1]
     if plain:
-        return [p for group in groups for p in group["params"]]
-    return groups
+        return [p for group in groups for p in group["params"]], kept
+    return groups, kept
 
 
 def _all_gather_object(obj) -> list:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..validation import check_choice, check_int, check_mapping
 from .actions import BACKWARD, FORWARD, Action, activation_peaks
-from .base import Schedule
+from .base import Schedule, linear_placement
 from .classic import one_f_one_b_orders
 from .costs import COST_NAMES, Costs
 from .placement import Placement
@@ -53,6 +53,9 @@ class Chimera(Schedule):
 
     def validate(self):
         d = self.stages
+        if d == 1:
+            self._validate_one_stage()
+            return
         if d % 2:
             raise ValueError(f"chimera needs an even number of stages, got {d}")
         self.pipelines = check_int(self.name, "pipelines", self.config["pipelines"], 1)
@@ -80,6 +83,20 @@ class Chimera(Schedule):
         if self.order == "auto":
             self.order, self._chosen = self._choose(self.stages, self.micro_batches, self.pipelines,
                                                     self.config["costs"], limit, self.config["recompute"])
+
+    def _validate_one_stage(self) -> None:
+        """One stage (a 1-stage PipelineModule: pure data parallelism). Both pipelines' replicas would be
+        the same whole model on the same rank doing the same work on halves of the micro-batches and then
+        summing their gradients: one copy running every micro-batch computes exactly that, with half the
+        weights. So Chimera on one stage is that copy's forward-backward per micro-batch, which is also
+        what DeepSpeed's stock engine runs there."""
+        self.pipelines = check_int(self.name, "pipelines", self.config["pipelines"], 1)
+        if self.pipelines != 1:
+            raise ValueError(f"chimera on 1 stage has one replica per data-parallel rank (pipelines must be 1), "
+                             f"got pipelines={self.pipelines}")
+        self.order = check_choice(self.name, "order", self.config["order"], ORDERS)
+        if not isinstance(self.config["recompute"], bool):
+            raise ValueError(f"chimera: recompute must be true or false, got {self.config['recompute']!r}")
 
     @staticmethod
     def _choose(stages: int, micro_batches: int, pipelines: int, costs=None, max_activations=None,
@@ -133,6 +150,8 @@ class Chimera(Schedule):
         return out
 
     def build_placement(self):
+        if self.stages == 1:
+            return linear_placement(1, self.micro_batches)
         chosen = getattr(self, "_chosen", None)
         if chosen is not None:
             return chosen.placement
@@ -144,6 +163,8 @@ class Chimera(Schedule):
 
     # -- order -----------------------------------------------------------------
     def build_orders(self):
+        if self.stages == 1:
+            return one_f_one_b_orders(self.placement, 0, list(range(self.micro_batches)))
         chosen = getattr(self, "_chosen", None)
         if chosen is not None:
             self._chosen = None

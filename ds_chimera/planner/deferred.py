@@ -1,0 +1,103 @@
+"""``"schedule": "auto"`` for scripts that give their data only to ``train_batch`` / ``eval_batch``.
+
+Megatron-DeepSpeed's ``pretrain_gpt.py`` and DeepSpeed's own tests pass no ``training_data`` to
+``deepspeed.initialize``: the first micro-batch the planner could time the layers on exists only at
+the first call. So ``initialize`` returns an engine built under a provisional plan (1F1B on the
+module's own cut: what the stock engine runs, so a stock checkpoint loaded before that call fits it),
+and the first ``train_batch`` or ``eval_batch``:
+
+1. takes its first micro-batch on rank 0, after the engine's ``batch_fn``, and keeps it for the call;
+2. profiles and plans exactly as ``initialize`` does with ``training_data`` (a failure on rank 0 is
+   raised on every rank);
+3. builds the engine of the chosen plan on the same module, as ``initialize`` would have, and moves it
+   into the engine object the script holds (what the script set on it since: ``batch_fn``, the data
+   iterator, the batch size, comes along); a stock checkpoint loaded into the provisional engine is
+   loaded again into the new one;
+4. runs the call, and every later one, under the plan.
+
+Both builds leave the random streams as they found them, so the run is the one that names the chosen
+plan from the start. The optimizer instance the script passed is rebuilt in place (the object
+``initialize`` returned stays the live one, and a scheduler bound to it keeps driving it); an optimizer
+or scheduler DeepSpeed builds from the config is built anew: read them from the engine
+(``engine.optimizer``, ``engine.lr_scheduler``) after the first call.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..logs import get_logger
+
+log = get_logger()
+
+# what a script sets on the engine between initialize and the first call, carried to the planned engine
+CARRIED = ("batch_fn", "_given_iterator", "training_dataloader", "monitor", "data_post_process_func")
+
+
+class DeferredPlan:
+    """What the first ``train_batch`` / ``eval_batch`` needs to plan and rebuild (see the module's text)."""
+
+    def __init__(self, build, pipeline, config: dict, optimizer, stock_keys: dict):
+        self.build = build              # pipeline config -> (engine, optimizer, loader, scheduler), initialize's rest
+        self.pipeline = pipeline        # the "auto" section, with its options
+        self.config = config
+        self.optimizer = optimizer      # the script's optimizer argument (for the planner's state bytes)
+        self.stock_keys = stock_keys
+        self.loads = []                 # load_checkpoint calls made on the provisional engine, replayed
+
+    @staticmethod
+    def provisional(module, pipeline):
+        """1F1B on the module's own cut."""
+        return pipeline.with_plan({"schedule": "1f1b", "parts": [int(p) for p in module.parts]})
+
+    def plan_and_rebuild(self, engine, data_iter) -> None:
+        """Steps 1-3 above, on every rank; afterwards ``engine`` is the planned engine."""
+        import torch.distributed as dist
+
+        from .deepspeed import ON_RANK0, _on_rank0_for_all, resolve
+        iterator = data_iter if data_iter is not None else getattr(engine, "_given_iterator", None)
+        first = [None]
+
+        def take_first():
+            if iterator is None:
+                raise ValueError("the first train_batch/eval_batch has no data: pass data_iter, or call "
+                                 "set_dataiterator/set_dataloader first")
+            batch = next(iterator)
+            if engine.batch_fn is not None:
+                batch = engine.batch_fn(batch)
+            if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+                raise ValueError("pipeline batches must be (inputs, labels) pairs, as DeepSpeed's; got "
+                                 f"{type(batch).__name__}")
+            first[0] = batch
+            return {"ok": True}
+        _on_rank0_for_all(take_first, "taking the first micro-batch to profile", dist)
+        micro_batch = first[0] if dist.get_rank() == 0 else ON_RANK0
+        if dist.get_rank() == 0:
+            log.info("schedule auto: planning at the first call, on its first micro-batch")
+        pipeline = resolve(engine.module, self.pipeline, self.config, optimizer=self.optimizer,
+                           micro_batch=micro_batch)
+        self._rebuild(engine, pipeline, iterator)
+        if first[0] is not None:
+            engine._pending_batches.append(first[0])       # the profiled micro-batch is the call's first
+
+    def _rebuild(self, engine, pipeline, iterator) -> None:
+        carried = {k: engine.__dict__[k] for k in CARRIED if k in engine.__dict__}
+        batch_size = engine.train_batch_size()
+        scheduler = engine.lr_scheduler
+        with torch.random.fork_rng(devices=_cuda_devices(engine)):
+            planned = self.build(pipeline)[0]
+        engine.__dict__ = planned.__dict__       # one state, both objects: the script's holds the planned engine
+        engine.__dict__.update(carried)
+        if engine.train_batch_size() != batch_size:
+            engine.set_train_batch_size(batch_size)
+        if iterator is not None:
+            engine.set_dataiterator(iterator)
+        for args, kwargs in self.loads:
+            if engine.lr_scheduler is scheduler and scheduler is not None:
+                # the script's scheduler instance, now driving the planned engine, holds the loaded state
+                # already (a second load would count Megatron's steps twice)
+                kwargs = dict(kwargs, load_lr_scheduler_states=False)
+            engine.load_checkpoint(*args, **kwargs)
+
+
+def _cuda_devices(engine) -> list:
+    return [engine.device] if torch.device(engine.device).type == "cuda" else []
