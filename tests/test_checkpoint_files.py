@@ -1,4 +1,5 @@
 """Files the package writes load back without unpickling anything else: a tampered one is refused."""
+import os
 import pickle
 
 import pytest
@@ -39,3 +40,23 @@ def test_a_tampered_checkpoint_is_refused_without_running_its_code(tmp_path):
     with pytest.raises(ValueError, match="holds objects other than tensors and plain containers"):
         load_written(path, "cpu")
     assert not marker.exists()
+
+
+def test_stale_folders_are_removed_only_where_this_package_staged_them(tmp_path):
+    """A save supersedes what an interrupted one left (TAG.incomplete, TAG.old); a user's own folders with those
+    endings, which hold no marker, are never removed, and a save that would need their names is refused."""
+    from ds_chimera.runtime import checkpoint as ckpt
+    users = [tmp_path / "experiments.old", tmp_path / "notes.incomplete"]
+    for folder in users:
+        folder.mkdir()
+        (folder / "keep.txt").write_text("mine")
+    crashed = ckpt.start_staging(str(tmp_path), "global_step5")      # a save that died before publishing
+    assert os.path.isfile(os.path.join(crashed, ckpt.STAGING_MARKER))
+    ckpt.remove_stale(str(tmp_path))
+    assert not os.path.exists(crashed)
+    assert all((folder / "keep.txt").read_text() == "mine" for folder in users)
+    with pytest.raises(ValueError, match="experiments.old exists and was not made by ds_chimera"):
+        ckpt.start_staging(str(tmp_path), "experiments")
+    with pytest.raises(ValueError, match="notes.incomplete exists and was not made by ds_chimera"):
+        ckpt.start_staging(str(tmp_path), "notes")
+    assert all((folder / "keep.txt").read_text() == "mine" for folder in users)

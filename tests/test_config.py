@@ -64,7 +64,7 @@ def test_micro_batches_are_derived_as_deepspeed_does():
      "ZeRO stage 3 with pipeline schedules shards fp32 weights"),
     ({"schedule": "1f1b", "reshard_after_forward": False}, {}, "applies to ZeRO stage 3 only"),
     ({"schedule": "1f1b", "zero1_reduce": "later"}, {}, "zero1_reduce must be one of chunk, end; got 'later'"),
-    ({"schedule": "chimaera"}, {}, "unknown schedule 'chimaera'; available: 1f1b,"),
+    ({"schedule": "chimaera"}, {}, "unknown schedule 'chimaera'. Did you mean 'chimera'? Available: 1f1b,"),
 ])
 def test_bad_values_are_refused_by_the_parser(section, extra, message):
     with pytest.raises(ValueError) as err:

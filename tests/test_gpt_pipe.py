@@ -16,7 +16,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "distributed", "gpt_pipe_worker.py")
 SCHEDULES = ["1f1b", "gpipe", "chimera", "zbv", "interleaved", "breadth-first", "zb-h1", "dualpipev"]
 SCENARIOS = ([f"gpt-{s}" for s in SCHEDULES] + ["gpt-rampup-chimera", "gpt-rampup-zbv", "gpt-1stage-chimera"]
-             + [f"gpt-stock-ckpt-{s}" for s in ("1f1b", "chimera", "zbv")] + ["gpt-auto", "gpt-auto-stock-ckpt"])
+             + [f"gpt-stock-ckpt-{s}" for s in ("1f1b", "chimera", "zbv")] + ["gpt-auto", "gpt-auto-stock-ckpt",
+                                                                              "gpt-auto-profile-error"])
 # the losses are float32 sums over a different order of micro-batches and replicas: equal to ~1 ulp of a loss ~10
 REL = 1e-6
 
@@ -102,3 +103,10 @@ def test_auto_without_training_data_plans_at_the_first_train_batch(results, scen
         _same(r["losses"], r["stock_losses"])
         assert r["lrs"] == r["stock_lrs"]
         assert r["schedule"] == r["chosen"]["schedule"] and not r["deferred"]
+
+
+def test_a_layer_rank_0_cannot_profile_fails_every_rank_with_its_name(results):
+    for rank_results in results:
+        error = rank_results["gpt-auto-profile-error"]["error"]
+        assert error and "failed on rank 0 while profiling the layers" in error
+        assert "layer 3:NoGradRefusingBlock fails when the profiler runs it alone" in error

@@ -183,7 +183,7 @@ def test_the_explicit_example_trains_and_reloads(runs):
     ("refuse-batch", "train_batch_size=16 disagrees with per_device_train_batch_size 2 x gradient_accumulation_steps "
                      "4 x data-parallel size 1 (world size 4 / 4 pipeline stages) = 8; set it to \"auto\" or pass "
                      "--gradient_accumulation_steps 8", True),
-    ("refuse-schedule", "unknown schedule 'chimaera'; available: 1f1b", True),
+    ("refuse-schedule", "unknown schedule 'chimaera'. Did you mean 'chimera'? Available: 1f1b", True),
 ])
 def test_refusals_name_the_value_and_come_early(runs, case, message, before_data):
     with open(runs["root"] / "plain" / "refusals.json") as fh:

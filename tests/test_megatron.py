@@ -112,6 +112,13 @@ def test_unsplittable_setups_are_refused_on_every_rank(contract_results):
         assert "holds decoder layers" in refusals["megatron-layout"] and \
             "as Megatron's own virtual-pipeline layout puts stage v*D + r on rank r), but schedule 'zbv' puts stage" \
             in refusals["megatron-layout"]
+        # chunks not built for a schedule with its own placement: refused on every rank, naming the rank that has them
+        bare = refusals["bare-chimera"]
+        assert bare and "schedule 'chimera' places its own stages" in bare and "was not built for it" in bare
+        assert "build_model_chunks(model_provider, 'chimera')" in bare
+        assert "install(\"interleaved\")" in refusals["virtual-1f1b"]
+    assert [results[-2]["refusals"]["bare-chimera"].startswith("pipeline rank 2's model chunks")
+            for results in contract_results] == [True, True, False, True]
 
 
 def test_install_routes_megatrons_get_forward_backward_func(contract_results):
@@ -204,8 +211,11 @@ def test_dead_rank_stops_the_others_with_a_clear_error():
 
 def test_bad_schedule_names_and_options_fail_before_any_work():
     from ds_chimera.megatron import get_forward_backward_func
-    with pytest.raises(ValueError, match="unknown schedule 'chimera2'; available: .*chimera"):
+    with pytest.raises(ValueError, match="unknown schedule 'chimera2'. Did you mean 'chimera'\\? Available: .*chimera"):
         get_forward_backward_func("chimera2")
+    with pytest.raises(ValueError, match="Did you mean 'chimera'") as typo:
+        get_forward_backward_func("chimera ")
+    assert "pipeoptim" not in str(typo.value)       # Megatron's contract runs synchronous schedules only
     with pytest.raises(ValueError, match="schedule 'chimera' has no option 'chunks'; allowed: "):
         get_forward_backward_func("chimera", chunks=2)
     with pytest.raises(ValueError, match="'pipeoptim' is asynchronous.*use a synchronous schedule: "):
@@ -337,3 +347,14 @@ def test_a_micro_batch_count_the_schedule_cannot_run_raises_what_megatron_raises
         with pytest.raises(error, match=r"multiple of stages \(4\), got 6.*\(num_microbatches=6 on 4 pipeline ranks\)"):
             runner._schedule(4, 6)
     assert runner._schedule(4, 8)[0].micro_batches == 8
+
+
+def test_virtual_stages_gives_each_schedules_virtual_pipeline_size_and_auto_megatrons_own():
+    """Step 3 of docs/megatron.md for every schedule name the launcher takes, "auto" included (it plans among the
+    schedules of the layout the model is built with: Megatron's default one stage per rank)."""
+    import ds_chimera.megatron as dsm
+    assert dsm.virtual_stages("auto", 4) is None
+    assert dsm.virtual_stages("1f1b", 4) is None and dsm.virtual_stages("chimera", 4) is None
+    assert dsm.virtual_stages("zbv", 4) == 2 and dsm.virtual_stages("interleaved", 4, chunks=3) == 3
+    with pytest.raises(ValueError, match="Did you mean 'zbv'"):
+        dsm.virtual_stages("zvb", 4)

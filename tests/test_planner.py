@@ -336,5 +336,16 @@ def test_profile_names_a_layer_that_cannot_run_forward():
     class Broken(nn.Module):
         def forward(self, x):
             raise RuntimeError("shape mismatch")
-    with pytest.raises(ValueError, match="layer 1:Broken fails on the first micro-batch.*shape mismatch"):
+    with pytest.raises(ValueError, match="layer 1:Broken fails when the profiler runs it alone.*shape mismatch.*name a schedule"):
         profile_sequential([nn.Linear(8, 8), Broken()], torch.randn(2, 8), loss=lambda out: out.sum())
+
+
+def test_under_activation_checkpointing_only_schedules_whose_orders_split_the_backward_are_left_out():
+    """Read from the orders: dualpipev runs full backwards (its orders hold F and B only), so activation
+    checkpointing does not exclude it; zbv and zb-h1 split theirs and are left out with that reason."""
+    layers = tuple(LayerCost(f"{i}:Linear", 1e-3, 2e-3, 1e-3, 1 << 16, 1 << 12, 1 << 14, 4096) for i in range(16))
+    result = plan(Profile(layers), Setting(stages=4, micro_batches=8, checkpoint_interval=1), Budget())
+    split_reason = "split backward recomputes"
+    excluded = {c.schedule for c in result.candidates if c.excluded and split_reason in c.excluded}
+    assert {"zbv", "zb-h1"} <= excluded and "dualpipev" not in excluded
+    assert any(c.schedule == "dualpipev" for c in result.candidates)     # priced (or bounded) like the others

@@ -39,7 +39,7 @@ MONITORED = ["1f1b", "chimera", "zbv"]
 OTHER += ["inplace-actckpt", "monitors", "param-groups", "param-groups-forms", "param-groups-zero1-2x2",
           "param-groups-zero3-2x2", "bad-zero3-groups", "bad-groups-left-out", "eval-arguments", "batch-size-change",
           "bad-batch-size-interleaved", "bad-batch-size-async", "bad-eval-reduce", "bf16-export-2x2-zbv",
-          "auto-plan", "bad-auto-no-data"]
+          "auto-plan", "bad-auto-no-data", "bad-stages"]
 ASYNC_OPTIONS = {"pipeoptim-code": {"steps_ahead": "code"}, "pipeoptim-last": {"predictor": "last-update"}}
 ASYNC_KEYS = ["pipedream", "pipedream-2bw", "pipeoptim", "spectrain", "pipeoptim-code", "pipeoptim-last"]
 ASYNC_BF16 = ["async-bf16-4x1-pipeoptim", "async-bf16-2x2-pipedream"] + (["async-bf16-4x1-spectrain"] if FULL else [])
@@ -221,7 +221,7 @@ def test_global_norm_clipping_where_deepspeed_stock_is_wrong(results):
 
 
 @pytest.mark.parametrize("scenario,message", [
-    ("bad-unknown", "unknown schedule 'chimaera'; available: 1f1b, breadth-first, chimera"),
+    ("bad-unknown", "unknown schedule 'chimaera'. Did you mean 'chimera'? Available: 1f1b, breadth-first, chimera"),
     ("bad-pipelines", "chimera: pipelines must divide stages/2 = 2 (allowed: [1, 2]), got 3"),
     ("bad-interleaved-n", "interleaved needs micro_batches to be a multiple of stages (4), got 6"),
     ("bad-option", "\"pipeline\" (schedule '1f1b'): unknown key 'chunks'."),
@@ -245,6 +245,8 @@ def test_global_norm_clipping_where_deepspeed_stock_is_wrong(results):
     ("bad-batch-size-async", "set_train_batch_size(8) with the asynchronous schedule 'pipedream'"),
     ("bad-eval-reduce", "eval_batch: reduce_output must be 'avg' or None, got 'sum'"),
     ("bad-auto-no-data", "the first train_batch/eval_batch has no data: pass data_iter"),
+    ("bad-stages", "\"stages\": 2 differs from the PipelineModule's num_stages=4; with deepspeed.initialize the "
+                   "module's num_stages decides"),
 ])
 def test_bad_config_fails_at_initialize(results, scenario, message):
     assert message in (results[scenario]["error"] or "")

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..config import PipelineConfig
 from ..logs import get_logger
 from ..planner.profile import LayerCost, Profile
-from ..planner.search import Budget, Setting, plan, splits_backward
+from ..planner.search import Budget, Setting, plan
 from ..schedules import registry
 from ..schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, activation_peaks
 from .chunk_checks import check_split_backward
@@ -114,6 +114,14 @@ class AutoRunner:
         self.fixed = None               # each rank's stages, as the chunks were built
         self.plans: list = []           # rank 0: what plan_file holds
         self._plans_read = False
+        self._group = None              # the pipeline group all this was learnt on
+
+    def _forget(self) -> None:
+        """Megatron's model-parallel state was destroyed and built again (new groups, maybe other chunks):
+        what was measured and decided on the old one no longer holds."""
+        self.layout = self.profile = self.fixed = None
+        self.decisions, self.reports, self.predicted, self.advice = {}, {}, {}, {}
+        self._runners, self.plans, self._plans_read = {}, [], False
 
     def _runner(self, config: PipelineConfig):
         key = (config.schedule, json.dumps(dict(config.options), sort_keys=True))
@@ -126,6 +134,9 @@ class AutoRunner:
         chunks = kwargs["model"]
         chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
         group = call_pipeline_group(kwargs.get("pg_collection"))
+        if self._group is not None and group is not self._group:
+            self._forget()
+        self._group = group
         size = dist.get_world_size(group)
         if self.layout is None:
             self.layout = layout_schedule(chunks, model_config(chunks[0]), size)
@@ -229,7 +240,7 @@ class AutoRunner:
             if rank_stages(placed.placement) != fixed:
                 return (f"places stages {list(map(list, rank_stages(placed.placement)))} on the ranks; the chunks "
                         f"were built as {list(map(list, fixed))}")
-            if splits_backward(type(placed), placed.config) and not w_measured:
+            if not w_measured and placed.splits_backward:
                 return (f"splits the backward, which the chunks' config does not allow (or the first call, run "
                         f"under {self.layout.schedule}, did not time the weight gradient apart)")
             return None
@@ -292,7 +303,7 @@ def placement_advice(profile: Profile, setting: Setting, budget: Budget, chosen,
             return "the built placement (chosen among above)"
         if _weight_copies(placed.placement) > MAX_ADVISED_COPIES:
             return f"holds more than {MAX_ADVISED_COPIES} stages' weights per rank"
-        if splits_backward(type(placed), placed.config) and not w_measured:
+        if not w_measured and placed.splits_backward:
             return "splits the backward, which was not timed apart"
         return None
 

@@ -26,9 +26,13 @@ def check_chunks(chunks, local, placement, name: str, options: dict, rank: int) 
     """
     stages = [placement.chunks[c].stage for c in local]
     if len(chunks) != len(local):
+        hint = f"build them with {build_hint(name, options)}"
+        if len(local) == 1 and len(chunks) > 1 and all(tagged_stage(c) is None for c in chunks):
+            hint = (f"{len(chunks)} chunks per rank is Megatron's virtual-pipeline layout: run it with "
+                    f"install(\"interleaved\") (Megatron's interleaved 1F1B; chunks={len(chunks)}), or {hint}")
         raise ValueError(f"schedule {name!r} puts {len(local)} chunk(s) on pipeline rank {rank} "
-                         f"(stages {stages}), but model has {len(chunks)}; build them with "
-                         f"{build_hint(name, options)}")
+                         f"(stages {stages}), but model has {len(chunks)}; {hint}")
+    megatrons_own = [v * placement.num_ranks + rank for v in range(len(local))]
     if placement.num_stages > 1 and any(getattr(unwrap(c), "share_embeddings_and_output_weights", False)
                                         for c in chunks):
         raise ValueError("model chunks share the embedding and output weights (share_embeddings_and_output_weights"
@@ -46,6 +50,12 @@ def check_chunks(chunks, local, placement, name: str, options: dict, rank: int) 
                                  f"schedule and options: {build_hint(name, options)}")
             continue
         found = megatron_layout(unwrap(chunk), placement.num_stages)
+        if found is None and (stages != megatrons_own or placement.num_replicas > 1):
+            raise ValueError(f"schedule {name!r} places its own stages (pipeline rank {rank} holds stages {stages}"
+                             f"{', replicas of the model' if placement.num_replicas > 1 else ''}), and model chunk "
+                             f"{i} was not built for it: it carries no stage (build_model_chunks tags each chunk) and "
+                             f"its layers do not say which stage they are; build the chunks with "
+                             f"{build_hint(name, options)}")
         if found is not None and found[0] != stage:
             held, what = found
             raise ValueError(f"model chunk {i} on pipeline rank {rank} holds {what}: stage {held} of "

@@ -71,6 +71,7 @@ class ScheduleRunner:
         self._programs: dict = {}
         self._comms: dict = {}
         self._shapes: dict = {}
+        self._checked: set = set()       # (chunks, shape, group) whose chunks every rank found fit
         self.rank = None
         self.p2p = None
         self.groups = None
@@ -90,10 +91,32 @@ class ScheduleRunner:
             self._programs[key] = (schedule, without_global_clip(program), eval_program)
         return self._programs[key]
 
+    def _check_chunks_everywhere(self, chunks, local, placement, group, size: int, num_microbatches: int) -> None:
+        """:func:`check_chunks` on every rank of the pipeline, its verdicts shared (once per chunk list and shape):
+        a rank whose chunks do not fit raises, and so does every other one, before any forward (none waits for a
+        message the misfit rank will never send)."""
+        key = (tuple(id(c) for c in chunks), size, num_microbatches, id(group))
+        if key in self._checked:
+            return
+        try:
+            check_chunks(chunks, local, placement, self.name, self.options, self.rank)
+            mine = None
+        except ValueError as exc:
+            mine = str(exc)
+        every = [None] * size
+        dist.all_gather_object(every, mine, group=group)
+        bad = [(rank, error) for rank, error in enumerate(every) if error]
+        if bad:
+            rank, error = bad[0]
+            raise ValueError(error if rank == self.rank else f"pipeline rank {rank}'s model chunks: {error}")
+        self._checked.add(key)
+
     def _communication(self, schedule, group, device):
         ranks = (dist.get_process_group_ranks(group) if group is not dist.group.WORLD
                  else list(range(dist.get_world_size())))
-        key = (tuple(ranks), tuple(map(tuple, schedule.placement.stage_ranks)), str(device))
+        # the group object too: after Megatron's destroy_model_parallel() / initialize_model_parallel() the same
+        # ranks form new groups, and ours, made beside the old ones, are made again
+        key = (group, tuple(ranks), tuple(map(tuple, schedule.placement.stage_ranks)), str(device))
         if key not in self._comms:
             nccl = dist.get_backend(group) != "gloo"
             groups = _pipeline_groups(schedule.placement, ranks, nccl, self.timeout_s)
@@ -117,7 +140,7 @@ class ScheduleRunner:
         schedule, program, eval_program = self._schedule(size, num_microbatches)
         placement = schedule.placement
         local = placement.chunks_on(self.rank)
-        check_chunks(chunks, local, placement, self.name, self.options, self.rank)
+        self._check_chunks_everywhere(chunks, local, placement, group, size, num_microbatches)
         sources = self._sources(data_iterator, len(chunks))
         feeds, shared = [], {}
         for source in sources:

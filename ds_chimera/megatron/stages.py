@@ -63,9 +63,13 @@ def virtual_stages(schedule: str, pipeline_size: int, **options):
     """Megatron's ``virtual_pipeline_model_parallel_size`` for a schedule's placement (None for one).
 
     The model config needs it so that Megatron's layer offsets cut the model into the
-    schedule's stages: 2 for zbv and dualpipev, V for interleaved and breadth-first.
+    schedule's stages: 2 for zbv and dualpipev, V for interleaved and breadth-first. ``"auto"`` plans among the
+    schedules of the layout the model is built with, and this gives that layout's default: None, Megatron's one
+    stage per rank (set a virtual-pipeline size yourself for the planner to schedule V chunks per rank).
     """
     config = PipelineConfig.from_megatron(schedule, options, where="virtual_stages")
+    if config.planned:
+        return None
     placement = config.build_schedule(pipeline_size, 4 * pipeline_size).placement
     per_rank = placement.num_stages // pipeline_size
     return per_rank if per_rank > 1 else None

@@ -18,6 +18,7 @@ import os
 import torch
 
 from ..logs import get_logger
+from ..named_files import load_json, read_named_file
 from .memory import GIB
 from .profile import Profile, profile_layers
 from .search import Budget, Setting, plan
@@ -48,7 +49,7 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
                  options["plan_file"], reused)
         module._ds_chimera_auto = {"pipeline": reused, "step_s": None, "peak_bytes": None,
                                    "plan_file": str(options["plan_file"])}
-        return pipeline.with_plan(reused)
+        return _reused_plan(pipeline, reused, options["plan_file"], module)
     grid = module._grid
     stages, dp = grid.pipe_parallel_size, grid.data_parallel_size
     device = torch.device(get_accelerator().device_name(module.local_rank))
@@ -56,7 +57,8 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
     profile_file = options.get("profile_file")
     profile = None
     if profile_file and os.path.exists(profile_file):
-        profile = Profile.load(profile_file)
+        profile = read_named_file('"pipeline": profile_file', profile_file, Profile.load,
+                                  "delete it to profile again, or name a profile an earlier run of this model wrote")
         if profile.num_layers != len(module._layer_specs):
             raise ValueError(f'"pipeline": profile_file {profile_file!r} profiles {profile.num_layers} layers; this '
                              f"PipelineModule has {len(module._layer_specs)}: delete it to profile again")
@@ -124,22 +126,55 @@ def _on_rank0_for_all(work, what: str, dist):
 ON_RANK0 = ("the micro-batch", "rank 0 profiles")   # resolve(micro_batch=) on ranks other than 0, deferred planning
 
 
+PLAN_FIX = "delete it to plan again (the run writes a new one), or name the plan_file of this model and layout"
+
+
 def _saved_plan(path, dist):
     """The ``"pipeline"`` section an earlier run wrote to ``plan_file``, read by rank 0 and sent to every rank
     (other nodes may not see the file); None when there is none."""
     found = [None]
     if path and dist.get_rank() == 0 and os.path.exists(path):
         try:
-            with open(path) as fh:
-                found[0] = json.load(fh)["pipeline"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            found[0] = {"error": f'"pipeline": plan_file {str(path)!r} is not a plan this planner wrote ({exc}); '
-                                 f"delete it to plan again"}
+            found[0] = read_named_file('"pipeline": plan_file', path, _plan_section, PLAN_FIX)
+        except ValueError as exc:
+            found[0] = {"error": str(exc)}
     if path:
         dist.broadcast_object_list(found, src=0)
     if isinstance(found[0], dict) and "error" in found[0]:
         raise ValueError(found[0]["error"])
     return found[0]
+
+
+def _plan_section(path: str) -> dict:
+    """The section of a plan file: ``{"pipeline": {"schedule": NAME, options..., "parts": [0, ..., L]}}``."""
+    data = load_json(path)
+    section = data.get("pipeline") if isinstance(data, dict) else None
+    if not (isinstance(section, dict) and isinstance(section.get("schedule"), str)
+            and isinstance(section.get("parts"), list) and all(isinstance(p, int) for p in section["parts"])):
+        raise ValueError(f'expected {{"pipeline": {{"schedule": NAME, ..., "parts": [0, ..., layers]}}}}, the shape '
+                         f"the planner writes; got {json.dumps(data)[:120]}")
+    return section
+
+
+def _reused_plan(pipeline, section: dict, path, module):
+    """``pipeline`` with the plan file's section, which must fit this model and pipeline (else: the fix)."""
+    where = f'"pipeline": plan_file {str(path)!r}'
+    try:
+        planned = pipeline.with_plan(section)
+    except ValueError as exc:
+        raise ValueError(f"{where} cannot be used: {exc}; {PLAN_FIX}") from None
+    layers, parts = len(module._layer_specs), list(section["parts"])
+    stages = module._grid.pipe_parallel_size
+    try:
+        schedule = planned.build_schedule(stages, planned.batch.micro_batches(module._grid.data_parallel_size))
+    except ValueError as exc:
+        raise ValueError(f"{where} holds a {section['schedule']!r} plan this run cannot build ({exc}); "
+                         f"{PLAN_FIX}") from None
+    if parts[-1] != layers or len(parts) != schedule.placement.num_stages + 1:
+        raise ValueError(f"{where} was written for {len(parts) - 1} stages over {parts[-1]} layers; this run cuts "
+                         f"{layers} layers into {schedule.placement.num_stages} stages ({section['schedule']!r} on "
+                         f"{stages} pipeline ranks): {PLAN_FIX}")
+    return planned
 
 
 def profile_module(module, training_data, collate_fn, pipeline, dp: int, device, optimizer_bytes: int,

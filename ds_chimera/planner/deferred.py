@@ -86,6 +86,7 @@ class DeferredPlan:
         with torch.random.fork_rng(devices=_cuda_devices(engine)):
             planned = self.build(pipeline)[0]
         engine.__dict__ = planned.__dict__       # one state, both objects: the script's holds the planned engine
+        engine.__class__ = type(planned)         # an asynchronous plan (allow_asynchronous) runs its own engine
         engine.__dict__.update(carried)
         if engine.train_batch_size() != batch_size:
             engine.set_train_batch_size(batch_size)

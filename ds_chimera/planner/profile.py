@@ -287,8 +287,9 @@ def _priced_from_forward(func, x, name: str, device, error: Exception, **reps) -
             result = func(_fresh(x))
             fwd = stable_median(lambda: clock.time(lambda: func(_fresh(x))), **reps)
     except Exception as exc:            # noqa: BLE001
-        raise ValueError(f'"schedule": "auto": layer {name} fails on the first micro-batch, so it cannot be '
-                         f"profiled (nor trained): {type(exc).__name__}: {exc}") from exc
+        raise ValueError(f'"schedule": "auto": layer {name} fails when the profiler runs it alone on the first '
+                         f"micro-batch ({type(exc).__name__}: {exc}), so it cannot be timed; name a schedule instead "
+                         f"of auto, or a profile_file measured elsewhere") from exc
     params = _trainable_params(func)
     get_logger().warning("schedule auto: layer %s could not be timed in the backward (%s: %s); priced from its "
                          "forward (%.3g ms): backward = 2 x forward, weight-grad = forward", name,

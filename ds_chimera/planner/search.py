@@ -247,7 +247,7 @@ def plan(profile: Profile, setting: Setting, budget: Budget = Budget(), cuts=CUT
                 continue
             parts, sc = entry
             cand.parts = list(parts)
-            if setting.checkpoint_interval and splits_backward(cls, options):
+            if setting.checkpoint_interval and placed.splits_backward:
                 cand.excluded = ("activation checkpointing: a split backward recomputes each checkpointed block "
                                  "twice (docs/limits.md)")
                 continue
@@ -310,11 +310,6 @@ def _check_setting(schedule, setting: Setting) -> None:
     """The job's own limits on a schedule (ZeRO over replicas, asynchronous with ZeRO-2/3), as the runtime checks."""
     from ..config import PipelineConfig
     PipelineConfig(schedule=schedule.name, zero_stage=setting.zero).check_schedule(schedule)
-
-
-def splits_backward(cls, options: dict) -> bool:
-    """The schedule (with these options) runs input- and weight-gradient passes apart."""
-    return cls.name in ("zb-h1", "zbv", "dualpipev") or options.get("order") == "zero-bubble"
 
 
 def _over_budget(cand: Candidate, budget: Budget) -> str | None:

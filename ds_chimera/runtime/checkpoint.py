@@ -11,7 +11,6 @@ before it would misread the optimizer state.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -19,6 +18,8 @@ from ..atomic import torch_save_atomic, write_json_atomic, write_text_atomic
 
 LAYOUT_FILE = "ds_chimera_layout.json"
 INCOMPLETE = ".incomplete"
+# written into every tag folder this package stages: only folders holding it are ever removed as stale
+STAGING_MARKER = "ds_chimera_staged"
 
 
 def layer_objects(engine) -> dict:
@@ -63,12 +64,21 @@ def load_written(path: str, device):
     import pickle
 
     import torch
+
+    from ..named_files import READ_ERRORS, describe
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise ValueError(f"checkpoint file {path} holds objects other than tensors and plain containers, which "
-                         f"ds_chimera never writes; it is not loaded (unpickling it could run code): "
-                         f"{str(exc).splitlines()[0]}") from None
+        if "global" in str(exc).lower():          # a class or function to import: not a file this package wrote
+            raise ValueError(f"checkpoint file {path} holds objects other than tensors and plain containers, which "
+                             f"ds_chimera never writes; it is not loaded (unpickling it could run code): "
+                             f"{str(exc).splitlines()[0]}") from None
+        raise ValueError(f"checkpoint file {path} is damaged ({describe(exc)}): {DAMAGED_FIX}") from None
+    except READ_ERRORS as exc:
+        raise ValueError(f"checkpoint file {path} is damaged or truncated ({describe(exc)}): {DAMAGED_FIX}") from None
+
+
+DAMAGED_FIX = "load another tag (load_checkpoint(dir, tag=...)), or restore the file"
 
 
 def load_layers(engine, path: str, strict: bool = True) -> None:
@@ -141,11 +151,13 @@ def read_latest(load_dir: str):
 
 def saved_layout(load_dir: str, tag):
     """The layout a ds_chimera checkpoint recorded, or None for a checkpoint of DeepSpeed's stock engine."""
+    from ..named_files import load_json, read_named_file
     path = os.path.join(load_dir, str(tag), LAYOUT_FILE) if tag is not None else ""
     if not (path and os.path.exists(path)):
         return None
-    with open(path) as fh:
-        return json.load(fh)
+    return read_named_file(f"checkpoint {load_dir}/{tag}: its layout file", path, load_json,
+                           "the checkpoint is damaged: load another tag, or its weights only with "
+                           "load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False)")
 
 
 def check_layout(engine, load_dir: str, tag) -> None:
@@ -170,6 +182,7 @@ def stock_optimizer_state(engine, load_dir: str, tag) -> dict:
     """
     import torch
 
+    from ..named_files import read_named_file
     from .param_groups import chunk_parameter_keys
     weights_only = "load the weights only: load_checkpoint(..., load_optimizer_states=False)"
     if engine.zero_optimization_stage() or engine.using_bf16_optimizer or \
@@ -186,7 +199,8 @@ def stock_optimizer_state(engine, load_dir: str, tag) -> dict:
             raise ValueError(f"checkpoint {load_dir}/{tag} has no file for pipeline stage {stage} ({path}): it was "
                              f"written with another pipeline size than this run's {engine.num_stages}; {weights_only}")
         # DeepSpeed's own model-states file (its config, version, client state): DeepSpeed loads it alike
-        saved = torch.load(path, map_location="cpu", weights_only=False)
+        saved = read_named_file(f"checkpoint {load_dir}/{tag}: stage {stage}'s state file", path,
+                                lambda p: torch.load(p, map_location="cpu", weights_only=False), DAMAGED_FIX)
         optimizer = saved.get("optimizer") or {}
         layout_here = order[engine.grid.stage_to_global(stage_id=stage, data=0)]
         sizes = [len(g["params"]) for g in optimizer.get("param_groups", [])]
@@ -230,12 +244,29 @@ def stage_dir(save_dir: str, tag: str) -> str:
     return os.path.join(save_dir, f"{tag}{INCOMPLETE}")
 
 
+def start_staging(save_dir: str, tag: str) -> str:
+    """Rank 0, before any rank writes: an empty ``TAG.incomplete/`` holding the marker that makes it ours."""
+    staged = stage_dir(save_dir, tag)
+    for path in (staged, os.path.join(save_dir, f"{tag}.old")):
+        if os.path.exists(path) and not _ours(path):
+            raise ValueError(f"save_checkpoint: {path} exists and was not made by ds_chimera, which uses that name "
+                             f"while it writes tag {tag!r}: move it away or save under another tag")
+    shutil.rmtree(staged, ignore_errors=True)
+    os.makedirs(staged)
+    write_text_atomic(os.path.join(staged, STAGING_MARKER), f"staged by ds_chimera for tag {tag}\n")
+    return staged
+
+
+def _ours(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, STAGING_MARKER))
+
+
 def publish(engine, save_dir: str, tag: str, save_latest: bool) -> None:
     """Rank 0, once every rank has written: record the layout, rename the staged tag, point ``latest`` at it."""
     final, staged = os.path.join(save_dir, tag), stage_dir(save_dir, tag)
     write_json_atomic(os.path.join(staged, LAYOUT_FILE), layout(engine))
     if os.path.isdir(final):
-        old = f"{final}.old"
+        old = f"{final}.old"          # start_staging checked that no folder of the user's has this name
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
         os.replace(staged, final)
@@ -248,7 +279,9 @@ def publish(engine, save_dir: str, tag: str, save_latest: bool) -> None:
 
 
 def remove_stale(save_dir: str) -> None:
-    """Remove what interrupted saves left behind (``*.incomplete``, ``*.old``): a complete save supersedes them."""
+    """Remove what interrupted saves left behind (``*.incomplete``, ``*.old``): a complete save supersedes them.
+    Only folders this package staged (they hold :data:`STAGING_MARKER`) go; a user's own ``x.old`` stays."""
     for name in os.listdir(save_dir):
-        if name.endswith(INCOMPLETE) or name.endswith(".old"):
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+        path = os.path.join(save_dir, name)
+        if (name.endswith(INCOMPLETE) or name.endswith(".old")) and os.path.isdir(path) and _ours(path):
+            shutil.rmtree(path, ignore_errors=True)

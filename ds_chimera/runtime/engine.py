@@ -18,6 +18,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..logs import get_logger
+from ..named_files import READ_ERRORS, describe
 from . import checkpoint as ckpt
 from . import faults
 from .eval_outputs import RecordingHost, broadcast_losses, check_eval_arguments, collect, reduce_outputs
@@ -331,11 +332,18 @@ class ScheduledPipelineEngine(PipelineEngine):
             else:
                 ckpt.check_layout(self, load_dir, tag)
         with self._guard(f"load_checkpoint {load_dir}/{tag}"), self.gathered_weights():
-            result = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
-                                             load_optimizer_states=load_optimizer_states and stock_state is None,
-                                             load_lr_scheduler_states=load_lr_scheduler_states,
-                                             load_module_only=load_module_only, custom_load_fn=custom_load_fn,
-                                             **kwargs)
+            try:
+                result = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,
+                                                 load_optimizer_states=load_optimizer_states and stock_state is None,
+                                                 load_lr_scheduler_states=load_lr_scheduler_states,
+                                                 load_module_only=load_module_only, custom_load_fn=custom_load_fn,
+                                                 **kwargs)
+            except ValueError:
+                raise           # ours: it names the file
+            except READ_ERRORS as exc:
+                raise ValueError(f"checkpoint {load_dir}/{tag}: DeepSpeed could not read it on rank "
+                                 f"{self.global_rank} (which reads {self._get_ckpt_name(load_dir, tag)}): "
+                                 f"{describe(exc)}; the file is damaged or truncated: {ckpt.DAMAGED_FIX}") from exc
             if stock_state is not None and result[0] is not None:
                 self.optimizer.load_state_dict(stock_state)
             if self.host.shards is not None and result[0] is not None:    # the loaded full weights' slices
@@ -400,9 +408,8 @@ class ScheduledPipelineEngine(PipelineEngine):
         state = dict(client_state or {})
         state["ds_chimera_schedule"] = self.schedule.name
         staged = ckpt.stage_dir(save_dir, tag)
-        if self.global_rank == 0 and os.path.isdir(staged):
-            import shutil
-            shutil.rmtree(staged)
+        if self.global_rank == 0:
+            ckpt.start_staging(save_dir, tag)
         self._barrier(f"the start of checkpoint {tag!r}")
         super().save_checkpoint(save_dir, tag=tmp_tag, client_state=state, save_latest=False,
                                 exclude_frozen_parameters=exclude_frozen_parameters)

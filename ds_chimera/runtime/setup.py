@@ -7,7 +7,6 @@ import functools
 from torch import nn
 
 from ..logs import get_logger
-from ..schedules.actions import split_chunks
 from ..config import PipelineConfig
 from .param_groups import distinct_options, remap_groups, stock_parameter_keys
 from .plan import make_plan
@@ -32,6 +31,11 @@ def prepare_module(module, config: PipelineConfig, model_parameters, stock_keys:
                          f"{grid.get_slice_parallel_world_size()}")
     num_stages = grid.pipe_parallel_size
     dp = grid.data_parallel_size
+    if config.stages is not None and config.stages != num_stages:
+        raise ValueError(f'"pipeline": "stages": {config.stages} differs from the PipelineModule\'s num_stages='
+                         f"{num_stages}; with deepspeed.initialize the module's num_stages decides the pipeline size "
+                         f'(\"stages\" sets it only for the HF Trainer, which builds the module): drop "stages" or '
+                         f"build the PipelineModule with num_stages={config.stages}")
     if stock_keys is None:
         stock_keys = stock_parameter_keys(module)    # the stock stage's parameters, about to go
     if model_parameters is not None:
@@ -179,9 +183,8 @@ def _checkpoint_function(module, plan):
     """
     import torch.utils.checkpoint
     from deepspeed.runtime.activation_checkpointing import checkpointing
-    split = any(split_chunks(order) for order in plan.schedule.orders)
     user = module.activation_checkpoint_func
-    if split or user in (checkpointing.checkpoint, checkpointing.non_reentrant_checkpoint):
+    if plan.schedule.splits_backward or user in (checkpointing.checkpoint, checkpointing.non_reentrant_checkpoint):
         return functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     return user
 

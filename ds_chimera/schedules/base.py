@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from ..validation import check_int
+from .actions import split_chunks
 from .lowering import Program, lower
 from .placement import Placement
 
@@ -47,6 +48,15 @@ class Schedule:
     @property
     def chunks_per_rank(self) -> int:
         return len(self.placement.chunks_on(0))
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether some rank's order runs a chunk's input- and weight-gradient passes apart, read from the orders
+        (built here for a schedule that :meth:`placed` made without them)."""
+        orders = self.__dict__.get("orders")
+        if orders is None:
+            orders = self.build_orders()
+        return any(split_chunks(order) for order in orders)
 
     def validate(self) -> None:
         """Raise ValueError for options that cannot work with these stages and micro-batches."""

@@ -67,7 +67,7 @@ class Chimera(Schedule):
         if self.micro_batches < routes:
             raise ValueError(f"chimera with pipelines={self.pipelines} runs {routes} pipelines, each with its own "
                              f"replica of the model, and needs micro_batches (DeepSpeed's "
-                             f"gradient_accumulation_steps) >= {routes}, got {self.micro_batches}: with fewer, a "
+                             f"gradient_accumulation_steps, Megatron's num_microbatches) >= {routes}, got {self.micro_batches}: with fewer, a "
                              f"replica's layers would hold weights but never train; use more micro-batches or 1f1b")
         self.order = check_choice(self.name, "order", self.config["order"], ORDERS)
         limit = self.config["max_activations"]

@@ -8,6 +8,7 @@ asynchronous ones need their schedule's weight-version tables.
 """
 from __future__ import annotations
 
+from ..named_files import read_named_file
 from .base import Schedule
 from .lowering import Program
 
@@ -30,8 +31,9 @@ class ProgramSchedule(Schedule):
     @classmethod
     def from_file(cls, path, stages: int, micro_batches: int) -> "ProgramSchedule":
         """Load ``path`` and check that it fits ``stages`` pipeline ranks and ``micro_batches`` per step."""
-        program = Program.load(path)
         where = f'"pipeline": {{"program": {str(path)!r}}}'
+        program = read_named_file('"pipeline": program', path, Program.load,
+                                  "pass a file that `ds-chimera simulate --dump-program FILE` (or Program.dump) wrote")
         if program.num_ranks != stages:
             raise ValueError(f"{where} is a program for {program.num_ranks} pipeline ranks; this run has {stages}")
         if program.placement.num_micro_batches != micro_batches:

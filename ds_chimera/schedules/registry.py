@@ -56,11 +56,24 @@ def available() -> dict:
     return found
 
 
-def get(name: str) -> type:
+def get(name: str, synchronous_only: bool = False) -> type:
+    """The class of schedule ``name``. ``synchronous_only``: the caller runs only synchronous schedules (its
+    error for an unknown name lists only those)."""
     schedules = available()
     if name not in schedules:
-        raise ValueError(f"unknown schedule {name!r}; available: {', '.join(sorted(schedules))}")
+        listed = sorted(n for n, cls in schedules.items() if cls.synchronous or not synchronous_only)
+        raise ValueError(f"unknown schedule {name!r}.{_near_match(name, listed)} Available: {', '.join(listed)}")
     return schedules[name]
+
+
+def _near_match(name, names: list) -> str:
+    """" Did you mean 'chimera'?" for a typo (stray spaces, case, a letter off), else ""."""
+    import difflib
+    typed = str(name).strip().lower().replace("_", "-")
+    if typed in names:
+        return f" Did you mean {typed!r}?"
+    near = difflib.get_close_matches(typed, names, n=1, cutoff=0.6)
+    return f" Did you mean {near[0]!r}?" if near else ""
 
 
 def checked(name: str, options: dict, caller_steps: bool = False) -> type:
@@ -69,7 +82,7 @@ def checked(name: str, options: dict, caller_steps: bool = False) -> type:
     ``caller_steps``: the caller runs the optimizer step after the schedule (Megatron's
     forward-backward contract), so an asynchronous schedule, which steps inside, is refused.
     """
-    cls = get(name)
+    cls = get(name, synchronous_only=caller_steps)
     unknown = sorted(set(options) - set(cls.options))
     if unknown:
         raise ValueError(f"schedule {name!r} has no option {unknown[0]!r}; allowed: "

@@ -244,6 +244,33 @@ def auto_without_data(counts=(8,) * STEPS, load_stock=False):
             "lrs": lrs, "named_lrs": named_lrs, "chosen": {"schedule": name, **chosen}, **planned}
 
 
+class NoGradRefusingBlock(TransformerBlock):
+    """Refuses to run without autograd: the profiler's forward-only timing fails on it (training would not)."""
+
+    def forward(self, x):
+        if not torch.is_grad_enabled():
+            raise RuntimeError("this block runs with autograd only")
+        return super().forward(x)
+
+
+def auto_profile_error():
+    """A layer rank 0 cannot profile: the error reaches every rank as a ValueError (none waits for rank 0)."""
+    _int_seed_shim()
+    layers = specs()
+    layers[3] = LayerSpec(NoGradRefusingBlock)
+    module = PipelineModule(layers=layers, num_stages=4, loss_fn=masked_cross_entropy,
+                            partition_method="type:transformer", seed_layers=True, base_seed=BASE_SEED)
+    optimizer = torch.optim.AdamW(param_groups(module), lr=3e-3)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
+                                           config=config("auto", 8, memory_limit_gb=64))
+    engine.set_batch_fn(batch_fn)
+    try:
+        engine.train_batch(data_iter=iter(token_batches(0, 8, 1, 0)))
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
 SCHEDULES = {"1f1b": {}, "gpipe": {}, "chimera": {}, "zbv": {}, "interleaved": {"chunks": 2},
              "breadth-first": {"chunks": 2}, "zb-h1": {}, "dualpipev": {}}
 SCENARIOS = {f"gpt-{name}": (lambda name=name, opts=opts: compare(name, **opts)) for name, opts in SCHEDULES.items()}
@@ -254,6 +281,7 @@ SCENARIOS["gpt-rampup-zbv"] = lambda: compare("zbv", counts=(4, 8, 8, 4))
 SCENARIOS["gpt-1stage-chimera"] = lambda: compare("chimera", stages=1, dp=4, counts=(2,) * 3)
 SCENARIOS["gpt-stock-ckpt-1f1b"] = lambda: stock_checkpoint_resume("1f1b")
 SCENARIOS["gpt-auto"] = auto_without_data
+SCENARIOS["gpt-auto-profile-error"] = auto_profile_error
 SCENARIOS["gpt-auto-stock-ckpt"] = lambda: auto_without_data(counts=(8, 8), load_stock=True)
 SCENARIOS["gpt-stock-ckpt-chimera"] = lambda: stock_checkpoint_resume("chimera")
 SCENARIOS["gpt-stock-ckpt-zbv"] = lambda: stock_checkpoint_resume("zbv")

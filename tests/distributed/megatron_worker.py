@@ -294,6 +294,25 @@ def run_refusals():
             messages[key] = None
         except ValueError as exc:
             messages[key] = str(exc)
+    # Chimera's replicas from chunks not built for it, on one rank only: every rank refuses, naming that rank
+    import torch.distributed as tdist
+    chimera = dsm.build_model_chunks(provider_for(gpt_config(4, None)), "chimera")
+    if tdist.get_rank() == 2:
+        chimera = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+        for chunk in chimera:
+            chunk.config = config
+    # Megatron's virtual-pipeline chunks (no ds_chimera tags) under install("1f1b"): the hint names interleaved
+    virtual = dsm.build_model_chunks(provider_for(gpt_config(4, 2)), "interleaved", chunks=2)
+    for chunk in virtual:
+        del chunk._ds_chimera_stage, chunk._ds_chimera_built_for
+    for key, schedule, chunks in (("bare-chimera", "chimera", chimera), ("virtual-1f1b", "1f1b", virtual)):
+        try:
+            dsm.get_forward_backward_func(schedule, timeout=30)(
+                forward_step_func=forward_step_for(2), data_iterator=iter(batches), model=chunks, num_microbatches=N,
+                seq_length=SEQ, micro_batch_size=MBS)
+            messages[key] = None
+        except ValueError as exc:
+            messages[key] = str(exc)
     return {"refusals": messages}
 
 

@@ -388,6 +388,8 @@ def bad_config(kind):
             cfg = config("chimera", 8, 1)
             cfg.update(train_batch_size=10, train_micro_batch_size_per_gpu=4)
             make_engine(4, cfg, specs)
+        elif kind == "stages":            # DeepSpeed's own key, which the module's num_stages overrides
+            make_engine(4, config("1f1b", 8, 1, stages=2), specs)
         elif kind == "auto-no-data":      # planned at the first call, which has no data either
             make_engine(4, config("auto", 8, 1), specs).train_batch()
         elif kind == "fp16":
@@ -1079,7 +1081,7 @@ for key, opts in {"1f1b": {}, "gpipe": {}, "interleaved": {"chunks": 2}, "breadt
 SCENARIOS["auto-plan"] = auto_plan
 for kind in ("unknown", "pipelines", "interleaved-n", "option", "zero1-chimera", "zero1-tied", "zero2", "zero1-reduce",
              "zero3-async", "zero3-bf16", "zero3-tied", "reshard-zero1", "zero3-groups", "groups-left-out",
-             "batch-size-interleaved", "batch-size-async", "eval-reduce", "auto-no-data",
+             "batch-size-interleaved", "batch-size-async", "eval-reduce", "auto-no-data", "stages",
              "fp16", "batch-split",
              "load-other-schedule", "async-tied", "async-actckpt", "async-bf16", "async-steps-ahead"):
     SCENARIOS[f"bad-{kind}"] = (lambda kind=kind: bad_config(kind))

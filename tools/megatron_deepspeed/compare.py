@@ -1,10 +1,13 @@
-"""Compare two runs of run.py: per-iteration lm-loss differences, the max abs difference, and each run's median
-time per iteration (the first iteration, which includes warm-up, left out of the median).
+"""Compare two runs of run.py: per-iteration lm-loss differences, the max abs difference (and the iteration where
+it is largest), and each run's median time per iteration (the first --skip iterations, which include warm-up,
+left out of the median; default 1).
 
 Why: the loss files carry timings too, so a plain diff always differs; this prints what matters.
 
-    python3 tools/megatron_deepspeed/compare.py RUN_A RUN_B      (run dirs or their loss.tsv files)
-Exit status 0 if both runs have the same iterations and identical losses, 1 otherwise.
+    python3 tools/megatron_deepspeed/compare.py RUN_A RUN_B [--skip N] [--from IT]
+        (run dirs or their loss.tsv files; --from IT: compare losses from iteration IT on, e.g. 11 for a resume
+        from iteration 10 against the uninterrupted run)
+Exit status 0 if both runs have the same iterations (from IT on) and identical losses, 1 otherwise.
 """
 import os
 import statistics
@@ -24,28 +27,42 @@ def load(path):
 
 
 def main():
-    if len(sys.argv) != 3:
+    argv, skip, first = sys.argv[1:], 1, None
+    for opt in ("--skip", "--from"):
+        if opt in argv:
+            i = argv.index(opt)
+            val = int(argv[i + 1])
+            del argv[i:i + 2]
+            skip, first = (val, first) if opt == "--skip" else (skip, val)
+    if len(argv) != 2:
         sys.exit(__doc__)
-    (pa, a), (pb, b) = load(sys.argv[1]), load(sys.argv[2])
+    (pa, a), (pb, b) = load(argv[0]), load(argv[1])
+    if first is not None:
+        a = {i: r for i, r in a.items() if i >= first}
+        b = {i: r for i, r in b.items() if i >= first}
     print(f"A: {pa}\nB: {pb}")
     print(f"{'iter':>4}  {'loss A':>13}  {'loss B':>13}  {'B - A':>11}  {'lr A':>9}  {'lr B':>9}")
-    max_diff, same = 0.0, set(a) == set(b)
+    max_diff, max_it, n_diff, same = 0.0, None, 0, set(a) == set(b)
     for it in sorted(set(a) | set(b)):
         la, lb = a.get(it), b.get(it)
         if la is None or lb is None:
             print(f"{it:>4}  {'-' if la is None else f'{la[0]:.6E}':>13}  {'-' if lb is None else f'{lb[0]:.6E}':>13}")
             continue
-        d = lb[0] - la[0]
-        max_diff = max(max_diff, abs(d))
+        d = round(lb[0] - la[0], 12)      # logged to 7 significant digits: no float residue in the ranking
+        n_diff += d != 0
+        if abs(d) > max_diff:
+            max_diff, max_it = abs(d), it
         flag = "" if la[1] == lb[1] else "  (lr differs)"
         print(f"{it:>4}  {la[0]:13.6E}  {lb[0]:13.6E}  {d:11.3E}  {la[1]:9.3E}  {lb[1]:9.3E}{flag}")
     common = sorted(set(a) & set(b))
     print(f"iterations: A {len(a)}, B {len(b)}, common {len(common)}")
-    print(f"max |loss B - loss A|: {max_diff:.3E}  (losses are logged to 7 significant digits)")
+    where = f"first at iteration {max_it}, {n_diff} iteration(s) differ" if n_diff else "all equal"
+    print(f"max |loss B - loss A|: {max_diff:.3E} ({where}; losses are logged to 7 significant digits)")
     for name, rows in (("A", a), ("B", b)):
-        times = [rows[i][2] for i in sorted(rows)[1:]] or [rows[i][2] for i in rows]
-        if times:
-            print(f"median ms/iteration {name}: {statistics.median(times):.1f}  (iterations 2..{max(rows)})")
+        kept = sorted(rows)[skip:] or sorted(rows)
+        if kept:
+            times = [rows[i][2] for i in kept]
+            print(f"median ms/iteration {name}: {statistics.median(times):.1f}  (iterations {kept[0]}..{kept[-1]})")
     sys.exit(0 if same and max_diff == 0.0 and common else 1)
 
 
