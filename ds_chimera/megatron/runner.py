@@ -103,13 +103,19 @@ class ScheduleRunner:
             mine = None
         except ValueError as exc:
             mine = str(exc)
+        # who failed, through a bounded wait (a dead peer is named, not waited on), then the texts if any did
+        flags = torch.zeros(size, device=chunks_device(chunks))
+        flags[self.rank] = 0.0 if mine is None else 1.0
+        with faults.guard("the check of every rank's model chunks", self.timeout_s):
+            wait_or_fail(lambda: dist.all_reduce(flags, group=group, async_op=True), self.timeout_s,
+                         "the check of every rank's model chunks")
+        if flags.sum().item() == 0:
+            self._checked.add(key)
+            return
         every = [None] * size
         dist.all_gather_object(every, mine, group=group)
-        bad = [(rank, error) for rank, error in enumerate(every) if error]
-        if bad:
-            rank, error = bad[0]
-            raise ValueError(error if rank == self.rank else f"pipeline rank {rank}'s model chunks: {error}")
-        self._checked.add(key)
+        rank, error = next((rank, error) for rank, error in enumerate(every) if error)
+        raise ValueError(error if rank == self.rank else f"pipeline rank {rank}'s model chunks: {error}")
 
     def _communication(self, schedule, group, device):
         ranks = (dist.get_process_group_ranks(group) if group is not dist.group.WORLD
