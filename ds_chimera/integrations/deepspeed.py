@@ -121,11 +121,17 @@ def _initialize_pipeline(original, call: dict, pipeline, loaded: dict, profile_b
                           micro_batch=profile_batch, defer=True)
         if planned is None:   # no data until the first train_batch: plan there (planner/deferred.py)
             from ..planner.deferred import DeferredPlan
-            deferred = DeferredPlan(None, pipeline, loaded, optimizer, stock_keys)
+            deferred = DeferredPlan(None, pipeline, loaded, optimizer)
             planned = DeferredPlan.provisional(model, pipeline)
         pipeline = planned
     # the provisional engine leaves the random streams as it found them (planner/deferred.py)
-    rng = torch.random.fork_rng(devices=_cuda_devices(model)) if deferred is not None else contextlib.nullcontext()
+    if deferred is not None:
+        from deepspeed.accelerator import get_accelerator
+
+        from ..planner.deferred import rng_devices
+        rng = torch.random.fork_rng(devices=rng_devices(get_accelerator().device_name(model.local_rank)))
+    else:
+        rng = contextlib.nullcontext()
     with rng:
         engine_parameters = prepare_module(model, pipeline, model_parameters, stock_keys)
         model._ds_chimera_plan.stock_optimizer_order = stock_order
@@ -151,13 +157,6 @@ def _initialize_pipeline(original, call: dict, pipeline, loaded: dict, profile_b
             original, first_call, plan, loaded, rebuild=(stock_keys, stock_order, rebound))
         result[0]._deferred_plan = deferred
     return result
-
-
-def _cuda_devices(model) -> list:
-    import torch
-    from deepspeed.accelerator import get_accelerator
-    device = torch.device(get_accelerator().device_name(model.local_rank))
-    return [device] if device.type == "cuda" else []
 
 
 def _stock_optimizer_order(model, optimizer, model_parameters, stock_keys: dict) -> list:

@@ -30,18 +30,17 @@ from ..logs import get_logger
 log = get_logger()
 
 # what a script sets on the engine between initialize and the first call, carried to the planned engine
-CARRIED = ("batch_fn", "_given_iterator", "training_dataloader", "monitor", "data_post_process_func")
+CARRIED = ("batch_fn", "training_dataloader", "monitor", "data_post_process_func")
 
 
 class DeferredPlan:
     """What the first ``train_batch`` / ``eval_batch`` needs to plan and rebuild (see the module's text)."""
 
-    def __init__(self, build, pipeline, config: dict, optimizer, stock_keys: dict):
+    def __init__(self, build, pipeline, config: dict, optimizer):
         self.build = build              # pipeline config -> (engine, optimizer, loader, scheduler), initialize's rest
         self.pipeline = pipeline        # the "auto" section, with its options
         self.config = config
         self.optimizer = optimizer      # the script's optimizer argument (for the planner's state bytes)
-        self.stock_keys = stock_keys
         self.loads = []                 # load_checkpoint calls made on the provisional engine, replayed
 
     @staticmethod
@@ -83,7 +82,7 @@ class DeferredPlan:
         carried = {k: engine.__dict__[k] for k in CARRIED if k in engine.__dict__}
         batch_size = engine.train_batch_size()
         scheduler = engine.lr_scheduler
-        with torch.random.fork_rng(devices=_cuda_devices(engine)):
+        with torch.random.fork_rng(devices=rng_devices(engine.device)):
             planned = self.build(pipeline)[0]
         engine.__dict__ = planned.__dict__       # one state, both objects: the script's holds the planned engine
         engine.__class__ = type(planned)         # an asynchronous plan (allow_asynchronous) runs its own engine
@@ -100,5 +99,7 @@ class DeferredPlan:
             engine.load_checkpoint(*args, **kwargs)
 
 
-def _cuda_devices(engine) -> list:
-    return [engine.device] if torch.device(engine.device).type == "cuda" else []
+def rng_devices(device) -> list:
+    """What ``torch.random.fork_rng`` must save besides the CPU generator: ``device`` where it is a GPU."""
+    device = torch.device(device)
+    return [device] if device.type == "cuda" else []

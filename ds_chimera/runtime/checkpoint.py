@@ -160,10 +160,9 @@ def saved_layout(load_dir: str, tag):
                            "load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False)")
 
 
-def check_layout(engine, load_dir: str, tag) -> None:
-    """Refuse optimizer state saved by ds_chimera under another layout (it would be misread); a stock
-    checkpoint's is mapped by :func:`stock_optimizer_state` instead."""
-    saved = saved_layout(load_dir, tag)
+def check_layout(engine, saved: dict | None, load_dir: str, tag) -> None:
+    """Refuse optimizer state saved by ds_chimera under another layout (``saved``, from :func:`saved_layout`: it
+    would be misread); a stock checkpoint's is mapped by :func:`stock_optimizer_state` instead."""
     if saved is None or saved == layout(engine):
         return
     raise ValueError(f"checkpoint {load_dir}/{tag} was written under {saved}; this engine is "

@@ -314,23 +314,24 @@ class ScheduledPipelineEngine(PipelineEngine):
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None, **kwargs):
         """DeepSpeed's load, refusing optimizer state saved under another layout (it would be misread)."""
-        if self._deferred_plan is not None and ckpt.saved_layout(load_dir, tag or ckpt.read_latest(load_dir)):
-            raise ValueError(f'"schedule": "auto" plans at the first train_batch here (no training_data was given), '
-                             f"and checkpoint {load_dir} was written by ds_chimera under a plan this engine does "
-                             f'not know yet: name the plan_file that run wrote in the "pipeline" section (a run with '
-                             f"plan_file set writes it), or name its schedule")
         if tag is None:
             tag = ckpt.read_latest(load_dir)
             if tag is None:      # as DeepSpeed: nothing to resume from is a warning and (None, None)
                 log.warning("no checkpoint to load in %s: it has no 'latest' file (a save that did not "
                             "complete writes none); pass tag=... to load a given one", load_dir)
                 return None, None
+        saved = ckpt.saved_layout(load_dir, tag)          # None: written by DeepSpeed's stock engine
+        if self._deferred_plan is not None and saved is not None:
+            raise ValueError(f'"schedule": "auto" plans at the first train_batch here (no training_data was given), '
+                             f"and checkpoint {load_dir} was written by ds_chimera under a plan this engine does "
+                             f'not know yet: name the plan_file that run wrote in the "pipeline" section (a run with '
+                             f"plan_file set writes it), or name its schedule")
         stock_state = None
         if load_optimizer_states and not load_module_only:
-            if ckpt.saved_layout(load_dir, tag) is None:      # the stock engine's: mapped parameter by parameter
+            if saved is None:      # the stock engine's: mapped parameter by parameter
                 stock_state = ckpt.stock_optimizer_state(self, load_dir, tag)
             else:
-                ckpt.check_layout(self, load_dir, tag)
+                ckpt.check_layout(self, saved, load_dir, tag)
         with self._guard(f"load_checkpoint {load_dir}/{tag}"), self.gathered_weights():
             try:
                 result = super().load_checkpoint(load_dir, tag=tag, load_module_strict=load_module_strict,

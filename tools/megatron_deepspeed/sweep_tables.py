@@ -9,6 +9,8 @@ import os
 import statistics
 import sys
 
+from compare import load as read_loss_file        # run.py's loss.tsv: iteration -> (loss, lr, ms)
+
 SCHEDULES = ["1f1b", "chimera", "zbv", "interleaved", "breadth-first", "auto"]
 OUT = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("MDS_SWEEP", "/tmp/mds/inv")
 RUNS = os.path.join(OUT, "runs")
@@ -18,13 +20,7 @@ def load(name):
     path = os.path.join(RUNS, name, "loss.tsv")
     if not os.path.exists(path):
         return None
-    rows = {}
-    with open(path) as fh:
-        next(fh)
-        for line in fh:
-            it, loss, lr, ms = line.split("\t")
-            rows[int(it)] = (float(loss), float(lr), float(ms))
-    return rows or None
+    return read_loss_file(path)[1] or None
 
 
 def med(rows):
