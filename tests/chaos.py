@@ -41,10 +41,11 @@ class Case:
     timeout: float = 8.0
     monitor: bool = True       # False: DS_CHIMERA_FAULT_MONITOR=0, the bounded waits alone end the job
     catch: bool = False        # every rank catches train_batch's exception and ends normally
+    recover: bool = False      # ... and then builds a new engine, loads the latest checkpoint and trains on
 
     def __str__(self) -> str:
         return f"{self.engine}-rank{self.victim}-{self.point}-{self.fault}" + ("" if self.monitor else "-nomonitor") \
-            + ("-caught" if self.catch else "")
+            + ("-caught" if self.catch else "") + ("-recovered" if self.recover else "")
 
     @property
     def bound(self) -> float:
@@ -69,6 +70,8 @@ def _env(case: Case, phase: str) -> dict:
         env["DS_CHIMERA_FAULT_MONITOR"] = "0"
     if case.catch:
         env["CATCH"] = "1"
+    if case.recover:
+        env["RECOVER"] = "1"
     return env
 
 
@@ -101,6 +104,8 @@ def run_case(case: Case, out: str, start_up_s: float = 240.0, resume: bool = Tru
             deadline = fault_at + case.bound + 20.0         # room to see a late exit, beyond the bound
         # a caught failure ends every process normally, the victim's included (unless it was killed)
         waits_for_victim = case.catch and case.fault != "kill"
+        if case.recover and case.fault == "kill" and fault_at is not None:
+            deadline = fault_at + case.timeout + 20.0     # the survivors' scripts go on, then are ended
         if all(r in exits for r in range(WORLD) if r != case.victim or waits_for_victim):
             break
         time.sleep(0.05)
@@ -186,7 +191,35 @@ def check_caught(case: Case, result: dict) -> float:
         worst = max(worst, first["time"] - result["fault_at"])
         assert again["type"] == "JobFailed" and again["seconds"] < 1.0, (case, rank, again)
         exited = result["exits"][rank]
+        if case.recover and case.fault == "kill":
+            check_ended(case, rank, result, log)
+            continue
         assert exited is not None and exited[1] == 0, f"{case}: rank {rank} did not end normally ({exited})\n" \
                                                       f"{log[-3000:]}"
     assert worst <= case.bound, f"{case}: a rank raised {worst:.1f}s after the fault (bound {case.bound:g}s)"
+    if case.recover and case.fault != "kill":
+        for rank in range(WORLD):
+            check_recovered(case, rank, result["caught"][rank]["recovered"], result["fault_logs"][rank])
     return worst
+
+
+def check_ended(case: Case, rank: int, result: dict, log: str) -> None:
+    """A killed rank: a survivor's script that goes on (a new PipelineModule waits for the dead rank in
+    its group creation) is ended within the pipeline timeout, saying why."""
+    exited = result["exits"][rank]
+    assert exited is not None and exited[1] != 0 and exited[0] - result["fault_at"] <= case.timeout + 10.0, \
+        f"{case}: rank {rank} was not ended in time ({exited})\n{log[-3000:]}"
+    assert f"ds_chimera: rank {case.victim} failed" in log and "nothing can go on" in log, (case, rank, log[-3000:])
+
+
+def check_recovered(case: Case, rank: int, got: dict, log: str) -> None:
+    """After a caught raise: a new engine resumed from the latest checkpoint reproduces the uninterrupted
+    run, and the failed engine refuses to run."""
+    assert "error" not in got, f"{case}: rank {rank} could not go on: {got.get('error')}\n{log[-3000:]}"
+    losses = {int(k): v for k, v in got["losses"].items()}
+    assert got["first"] == 2 and sorted(losses) == list(range(2, 6)), (case, rank, got)
+    assert all(abs(losses[s] - got["reference"][s]) <= 1e-5 for s in losses), (case, rank, losses, got["reference"])
+    old = got["old_engine"]
+    assert old["type"] == "JobFailed" and "build a new engine" in old["message"] and \
+        f"rank {case.victim} failed" in old["message"] and old["seconds"] < 1.0, (case, rank, old)
+    assert "recovered and finished" in log, (case, rank, log[-3000:])

@@ -34,8 +34,10 @@ def test_one_rank_fails_every_rank_ends(case, resume, tmp_path):
 # A script that catches train_batch's exception (to save, report or clean up), as DeepSpeed's own test
 # harness does: every rank gets an exception within seconds and its process carries on.
 # CI: the raise; make test-full adds a killed rank (a kill's cases cost CI's budget more than they add to it)
-CAUGHT = [Case("chimera", 1, "forward", "raise", catch=True)] + \
-    ([Case("zbv", 2, "backward", "kill", catch=True)] if tiers.FULL else [])
+# Then every rank builds a new engine and resumes from the latest checkpoint (a kill: refused, saying why).
+CAUGHT = [Case("chimera", 1, "forward", "raise", catch=True, recover=True)] + \
+    ([Case("zbv", 2, "backward", "kill", catch=True, recover=True),
+      Case("1f1b", 0, "receive", "raise", catch=True, recover=True)] if tiers.FULL else [])
 
 
 @pytest.mark.parametrize("case", CAUGHT, ids=str)

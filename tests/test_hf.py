@@ -18,7 +18,7 @@ from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Lla
 from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: E402
 
 from ds_chimera.hf import causal_lm_loss, export_pretrained, to_pipeline  # noqa: E402
-from ds_chimera.hf.config import resolve  # noqa: E402
+from ds_chimera.hf.config import checkpoint_interval, resolve  # noqa: E402
 from ds_chimera.hf.convert import build_layers, run_layers  # noqa: E402
 from ds_chimera.hf.layout import describe  # noqa: E402
 
@@ -544,3 +544,22 @@ def test_a_checkpoint_a_plain_trainer_cannot_resume_exactly_says_so_when_written
     assert len(caught) == 1 and caught[0].startswith("checkpoint-2 has no optimizer.pt a plain transformers.Trainer "
                                                      "can read (the DeepSpeed config's \"optimizer\" section")
     assert not os.listdir(tmp_path)
+
+
+def test_hfs_activation_checkpointing_becomes_a_checkpoint_of_every_pipeline_layer():
+    from transformers import TrainingArguments
+    plain = TrainingArguments(output_dir="unused", report_to=[])
+    assert checkpoint_interval(plain, 0) == 0 and checkpoint_interval(plain, 3) == 3
+    for flag in ("gradient_checkpointing", "activation_checkpointing"):
+        args = TrainingArguments(output_dir="unused", report_to=[], **{flag: True})
+        assert checkpoint_interval(args, 0) == 1 and checkpoint_interval(args, 1) == 1
+        with pytest.raises(ValueError, match="disagrees with PipelineTrainer's activation_checkpoint_interval=2"):
+            checkpoint_interval(args, 2)
+    args = TrainingArguments(output_dir="unused", report_to=[], activation_checkpointing=True,
+                             activation_checkpointing_kwargs={"use_reentrant": False})
+    assert checkpoint_interval(args, 0) == 1
+    for kwargs in ({"every_n_layers": 2}, {"offload": True}, {"preserve_rng_state": False}):
+        args = TrainingArguments(output_dir="unused", report_to=[], activation_checkpointing=True,
+                                 activation_checkpointing_kwargs=kwargs)
+        with pytest.raises(ValueError, match="only as every_n_layers=1.*activation_checkpoint_interval=K"):
+            checkpoint_interval(args, 0)

@@ -121,6 +121,18 @@ def test_unsplittable_setups_are_refused_on_every_rank(contract_results):
             for results in contract_results] == [True, True, False, True]
 
 
+def test_after_a_caught_failure_the_process_goes_on_once_megatrons_groups_are_rebuilt(contract_results):
+    for rank, results in enumerate(contract_results):
+        found = next(r["caught_failure"] for r in results if "caught_failure" in r)
+        if rank == 1:
+            assert found["first"] == "RuntimeError: injected failure in rank 1's forward_step", found
+        else:
+            assert found["first"].startswith("JobFailed: ds_chimera: rank 1 failed: RuntimeError: injected"), found
+        assert found["again"].startswith("JobFailed: ds_chimera: rank 1 failed") and \
+            "rebuild Megatron's model-parallel groups to go on" in found["again"], found
+        assert found["after"] == found["before"] and len(found["before"]) == (8 if rank == 3 else 0), found
+
+
 def test_install_routes_megatrons_get_forward_backward_func(contract_results):
     for rank, results in enumerate(contract_results):
         assert results[-1]["installed"] == "chimera" and results[-1]["restored_is_megatron"]

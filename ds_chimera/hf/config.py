@@ -110,9 +110,6 @@ def _batch_keys(config: dict, micro: int, n: int, dp: int, stages: int, world: i
 # TrainingArguments a pipeline cannot honour: (attribute, value it must have, why / what to do instead)
 IGNORED_ARGUMENTS = [
     ("label_smoothing_factor", 0.0, "the loss is ds_chimera.hf's causal-LM loss without smoothing"),
-    ("activation_checkpointing", (False, None), "use PipelineTrainer(..., activation_checkpoint_interval=K) or "
-                                                "\"pipeline\": {\"activation_checkpoint_interval\": K}"),
-    ("gradient_checkpointing", (False, None), "use \"pipeline\": {\"activation_checkpoint_interval\": K}"),
     ("load_best_model_at_end", False, "pick the checkpoint from state.log_history yourself"),
     ("fp16", False, "fp16 (loss scaling) is not supported by ds_chimera schedules yet; use bf16 or fp32"),
     ("fp16_full_eval", False, "evaluation runs in the training precision"),
@@ -124,6 +121,28 @@ IGNORED_ARGUMENTS = [
     ("push_to_hub", False, "push the saved folder yourself after training"),
 ]
 SAMPLING = ("random", "sequential")
+
+
+def checkpoint_interval(args, given: int) -> int:
+    """The pipeline's activation_checkpoint_interval for HF's ``--activation_checkpointing`` (and its
+    older name ``--gradient_checkpointing``): 1, every pipeline layer recomputed in the backward,
+    which gives the gradients HF's per-decoder-layer checkpointing gives. ``given``:
+    PipelineTrainer's own keyword (0: none), which must agree."""
+    if not (getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)):
+        return given
+    options = dict(getattr(args, "activation_checkpointing_kwargs", None) or
+                   getattr(args, "gradient_checkpointing_kwargs", None) or {})
+    options.pop("use_reentrant", None)      # how autograd recomputes: the same gradients either way
+    every = options.pop("every_n_layers", 1)
+    if every != 1 or options.pop("offload", False) or options:
+        raise ValueError(f"a pipelined Trainer takes activation_checkpointing_kwargs "
+                         f"{getattr(args, 'activation_checkpointing_kwargs', None)!r} only as every_n_layers=1 "
+                         f"(and use_reentrant): the pipeline checkpoints segments of K whole layers; use "
+                         f"PipelineTrainer(..., activation_checkpoint_interval=K) instead")
+    if given not in (0, 1):
+        raise ValueError(f"activation_checkpointing=True (every layer) disagrees with PipelineTrainer's "
+                         f"activation_checkpoint_interval={given}; pass one of them")
+    return 1
 
 
 def refuse_ignored_arguments(args) -> None:

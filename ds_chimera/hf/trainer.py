@@ -31,7 +31,7 @@ from .args import pipeline_config_of, true_ranks
 from .build import build_engine, profile_micro_batch
 from .checkpoint import begin, commit, load_pipeline_state, save_pipeline_state
 from .checks import check_model_fits, check_trainable
-from .config import resolve
+from .config import checkpoint_interval, resolve
 from .convert import to_pipeline
 from .data import check_batch, train_micro_batches
 from .evaluation import predict_batch
@@ -95,7 +95,8 @@ class PipelineTrainer(Trainer):
         check_trainable(model)
         self.layer_specs = to_pipeline(model)                      # (then a numerical check for pp_plan models)
         self.partition_method = partition_method
-        self.activation_checkpoint_interval = activation_checkpoint_interval
+        # HF's --activation_checkpointing / --gradient_checkpointing: every layer recomputed
+        self.activation_checkpoint_interval = checkpoint_interval(args, activation_checkpoint_interval)
         self.update_model = update_model
         self.engine = self.hf_optimizer = None
         self.pipeline_loss = PipelineLoss()

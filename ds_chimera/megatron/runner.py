@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ..config import DEFAULT_TIMEOUT_S, PipelineConfig
 from ..runtime import faults
 from ..runtime.executor import StepExecutor
-from ..runtime.groups import PipelineGroups
+from ..runtime.groups import PipelineGroups, process_groups_in
 from ..runtime.p2p import P2P, wait_or_fail
 from ..runtime.plan import proven_programs
 from ..schedules.lowering import without_global_clip
@@ -57,6 +57,16 @@ def _pipeline_groups(placement, pp_ranks: list, nccl: bool, timeout_s: float) ->
                           nccl_edges=nccl)
 
 
+REBUILD_GROUPS = ("rebuild Megatron's model-parallel groups to go on (parallel_state.destroy_model_parallel(), "
+                  "then initialize_model_parallel())")
+
+
+def _megatron_groups() -> list:
+    """The process groups Megatron's parallel state holds (a failure breaks them; the script rebuilds them)."""
+    from megatron.core import parallel_state
+    return process_groups_in(parallel_state)
+
+
 class PipelineShapeError(ValueError, RuntimeError):
     """A ``num_microbatches`` (or pipeline size) the schedule cannot run: Megatron's own schedules raise
     RuntimeError for it (its tests expect that), ds_chimera's checks ValueError; this is both."""
@@ -75,6 +85,7 @@ class ScheduleRunner:
         self.rank = None
         self.p2p = None
         self.groups = None
+        self.epoch = None                # the fault monitor's job these groups belong to
         self.trace_next = False          # time the next training call's actions ("auto" profiles with them)
         self.last_records: list = []     # (rank, kind, chunk, mb, start, end) of the traced call
         self.last_schedule = None
@@ -106,7 +117,7 @@ class ScheduleRunner:
         # who failed, through a bounded wait (a dead peer is named, not waited on), then the texts if any did
         flags = torch.zeros(size, device=chunks_device(chunks))
         flags[self.rank] = 0.0 if mine is None else 1.0
-        with faults.guard("the check of every rank's model chunks", self.timeout_s):
+        with self._guard("the check of every rank's model chunks"):
             wait_or_fail(lambda: dist.all_reduce(flags, group=group, async_op=True), self.timeout_s,
                          "the check of every rank's model chunks")
         if flags.sum().item() == 0:
@@ -124,12 +135,20 @@ class ScheduleRunner:
         # ranks form new groups, and ours, made beside the old ones, are made again
         key = (group, tuple(ranks), tuple(map(tuple, schedule.placement.stage_ranks)), str(device))
         if key not in self._comms:
+            # new groups (Megatron's were rebuilt): after a failure every rank caught, a new job
+            epoch = faults.start_new_job(self.timeout_s)
             nccl = dist.get_backend(group) != "gloo"
-            groups = _pipeline_groups(schedule.placement, ranks, nccl, self.timeout_s)
-            p2p = P2P(lambda p: ranks[p], device, len(schedule.placement.chunks), self.timeout_s, groups.edges)
+            with faults.guard("the creation of the pipeline's process groups", self.timeout_s, epoch):
+                groups = _pipeline_groups(schedule.placement, ranks, nccl, self.timeout_s)
+            p2p = P2P(lambda p: ranks[p], device, len(schedule.placement.chunks), self.timeout_s, groups.edges,
+                      default_group=groups.job)
             p2p.shape_hint = "set variable_seq_lengths=True in the model's config (Megatron's switch for this)"
-            self._comms[key] = (groups, p2p)
+            faults.register_groups(groups.all_groups() + [group] + _megatron_groups())
+            self._comms[key] = (groups, p2p, epoch)
         return self._comms[key]
+
+    def _guard(self, what: str):
+        return faults.guard(what, self.timeout_s, self.epoch, rebuild=REBUILD_GROUPS)
 
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
                  decoder_seq_length=None, forward_only=False, collect_non_loss_data=False, first_val_step=None,
@@ -146,6 +165,8 @@ class ScheduleRunner:
         schedule, program, eval_program = self._schedule(size, num_microbatches)
         placement = schedule.placement
         local = placement.chunks_on(self.rank)
+        device = chunks_device(chunks)
+        self.groups, self.p2p, self.epoch = self._communication(schedule, group, device)
         self._check_chunks_everywhere(chunks, local, placement, group, size, num_microbatches)
         sources = self._sources(data_iterator, len(chunks))
         feeds, shared = [], {}
@@ -154,8 +175,6 @@ class ScheduleRunner:
                 feeds.append(None)
             else:
                 feeds.append(shared.setdefault(id(source), MicroBatchFeed(source, num_microbatches)))
-        device = chunks_device(chunks)
-        self.groups, self.p2p = self._communication(schedule, group, device)
         config = model_config(chunks[0])
         # as Megatron: fixed shapes (one header per edge) unless the config says they vary
         self.p2p.dynamic_shapes = bool(getattr(config, "variable_seq_lengths", False))
@@ -175,8 +194,7 @@ class ScheduleRunner:
             scale = config.grad_scale_func(torch.ones(1, device=device))
         step.grad_scale = scale
         self.last_schedule = schedule
-        with faults.guard(f"forward_backward_func ({self.name}, {'train' if train else 'forward only'})",
-                          self.timeout_s):
+        with self._guard(f"forward_backward_func ({self.name}, {'train' if train else 'forward only'})"):
             return self._run(step, program if train else eval_program, train, scale, config, chunks, shared,
                              placement, group, device, pg_collection, force_all_reduce)
 

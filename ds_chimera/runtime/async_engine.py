@@ -229,11 +229,13 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
                 wait_or_fail(work, timeout, "a loss sent to an earlier stage")
             dp_id = self.grid.get_data_parallel_id()
             self._loss_sends = [(post_or_fail(lambda p=p: dist.isend(value, self.grid.stage_to_global(p, data=dp_id),
-                                                                     tag=LOSS_TAG), "the loss send"), value)
+                                                                     group=self.host.groups.job, tag=LOSS_TAG),
+                                              "the loss send"), value)
                                 for p in range(last)]
         else:
-            wait_or_fail(lambda: dist.irecv(value, self.grid.stage_to_global(last, data=self.grid.get_data_parallel_id()),
-                                            tag=LOSS_TAG), timeout, "the loss from the last stage")
+            source = self.grid.stage_to_global(last, data=self.grid.get_data_parallel_id())
+            wait_or_fail(lambda: dist.irecv(value, source, group=self.host.groups.job, tag=LOSS_TAG), timeout,
+                         "the loss from the last stage")
         return value.squeeze(0)
 
     # ---- predictor state in checkpoints --------------------------------------------------------

@@ -23,6 +23,7 @@ from . import checkpoint as ckpt
 from . import faults
 from .eval_outputs import RecordingHost, broadcast_losses, check_eval_arguments, collect, reduce_outputs
 from .executor import StepExecutor
+from .groups import process_groups_in
 from .host import PipelineHost
 from .p2p import post_or_fail, wait_or_fail
 from .tensors import to_device
@@ -37,6 +38,8 @@ class ScheduledPipelineEngine(PipelineEngine):
     host_class = PipelineHost
 
     def __init__(self, *args, **kwargs):
+        # after a failure every rank caught, a new engine is a new job (runtime/faults.py)
+        self._fault_epoch = faults.start_new_job(kwargs["model"]._ds_chimera_plan.timeout_s)
         super().__init__(*args, **kwargs)
         plan = self.module._ds_chimera_plan
         self.plan = plan
@@ -58,6 +61,7 @@ class ScheduledPipelineEngine(PipelineEngine):
             self.host.shards.engine_ready()
         self.executor = StepExecutor(self.host)
         self.faults = faults.monitor(plan.timeout_s)     # one rank's failure ends every rank, naming it
+        faults.register_groups(self.host.groups.all_groups() + process_groups_in(self.grid, self.optimizer, self))
         self._deferred_plan = None      # "auto" planned at the first call (planner/deferred.py)
         self._pending_batches = []      # micro-batches taken from the iterator before the step (that plan's)
         self._given_iterator = None     # the script's iterator on every rank (the plan may move the data ranks)
@@ -130,7 +134,8 @@ class ScheduledPipelineEngine(PipelineEngine):
         total = torch.zeros(1, dtype=torch.float32, device=self.device)
         if loss_sum is not None:
             total += loss_sum.reshape(-1)[:1].to(total.dtype)
-        work = post_or_fail(lambda: dist.all_reduce(total, async_op=True), "the loss all-reduce")
+        group = self.host.groups.job
+        work = post_or_fail(lambda: dist.all_reduce(total, group=group, async_op=True), "the loss all-reduce")
 
         def mean():
             wait_or_fail(work, self.plan.timeout_s, "the loss all-reduce")
@@ -139,7 +144,7 @@ class ScheduledPipelineEngine(PipelineEngine):
 
     def _guard(self, what: str):
         """Work whose failure must end every rank (see :mod:`.faults`)."""
-        return faults.guard(f"{what} (step {self.global_steps})")
+        return faults.guard(f"{what} (step {self.global_steps})", epoch=self._fault_epoch)
 
     def train_batch(self, data_iter=None):
         if not torch._C.is_grad_enabled():
@@ -390,7 +395,8 @@ class ScheduledPipelineEngine(PipelineEngine):
 
     def _barrier(self, what: str) -> None:
         """A barrier of every rank, bounded by the pipeline timeout."""
-        wait_or_fail(lambda: dist.barrier(async_op=True), self.plan.timeout_s, what, peer="a rank")
+        group = self.host.groups.job
+        wait_or_fail(lambda: dist.barrier(group=group, async_op=True), self.plan.timeout_s, what, peer="a rank")
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
                         exclude_frozen_parameters=False):

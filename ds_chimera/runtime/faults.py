@@ -5,8 +5,8 @@ stuck. The rendezvous store can, since every rank holds a connection to it. Each
 runs one :class:`FaultMonitor` (a daemon thread on a clone of the default store) that
 
 - publishes a heartbeat (a counter, so clocks never need to agree) every ``BEAT_S``;
-- watches one key, ``failed``: the first failure, written once (compare-and-set) with the
-  origin rank and its exception. A rank that sees it raises :class:`JobFailed`
+- watches one key, ``failed/E``: the first failure of job E, written once (compare-and-set)
+  with the origin rank and its exception. A rank that sees it raises :class:`JobFailed`
   (``ds_chimera: rank R failed: <exception>``) in its ds_chimera call: a wait for a message
   that is under way then ends within ``BEAT_S`` (:meth:`FaultMonitor.wait_interruptibly`: the
   watch thread closes the process groups' connections); a call that starts later raises at once. The exception is the
@@ -21,9 +21,11 @@ runs one :class:`FaultMonitor` (a daemon thread on a clone of the default store)
 Work on every engine (``train_batch``, ``eval_batch``, checkpoints, ``drain``, Wavelet's
 steps, Megatron's forward-backward call) runs under :meth:`FaultMonitor.guard`: an
 exception publishes the failure before it propagates to the caller, who may catch it as
-with the stock engine. The job is failed from then on: its process groups may hold
-half-posted messages, so every later guarded call on every rank raises :class:`JobFailed`
-instead of running into them. A communication error
+with the stock engine. The engines built before it are dead from then on: their process
+groups may hold half-posted messages, so every later guarded call on them raises
+:class:`JobFailed` instead of running into them. A new engine starts a new job
+(:meth:`FaultMonitor.start_new_job`) on fresh process groups, when every rank is still there
+and the failure broke only the failed engines' groups (``register_groups``). A communication error
 (a peer's connection closed, a bounded wait expired) is not the rank's own fault: the
 guard first looks for the real origin (a published failure, a dead process, a silent
 heartbeat), so the neighbour whose message did not come is not blamed.
@@ -59,6 +61,9 @@ ENV_DISABLE = "DS_CHIMERA_FAULT_MONITOR"      # "0": no monitor (every wait is s
 PREFIX = "ds_chimera/faults/"
 BREAK_TAG = (1 << 30) + 1  # the receive no one sends, whose timed-out wait closes a group's connections
 IDLE = "user code between ds_chimera calls"
+BREAK_FALLBACK_S = 1.0    # a wait the failed engines' groups did not end: every gloo group is broken after this
+RESTART = "restart the processes (the latest complete checkpoint resumes exactly)"
+REBUILD_ENGINE = "build a new engine to go on"
 STORE_GONE = ("the rendezvous store is unreachable: the process hosting it (rank 0 under env://, or the "
               "launcher) is gone")
 
@@ -90,11 +95,17 @@ class FaultMonitor:
         # torch's env:// rendezvous makes rank 0 host the store; torchrun's agent hosts it instead
         self.hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
         self.failed_here = False
-        self.failed = None                  # the job's failure record, once this rank knows it
+        self.epoch = 0                      # the job: a new engine after a caught failure starts the next one
+        self.history: dict = {}             # epoch -> the failure that ended that job
+        self.failed = None                  # this job's failure record, once this rank knows it
         self.delivered = False              # a guarded call raised it (or the origin's own error) to its caller
         self._failed_at = None              # monotonic time this rank learned of the failure
         self._waiting = False               # the call's thread is in a wait the failure must end
         self._groups_broken = False
+        self._state_lock = threading.Lock()  # the watch thread learns a failure; start_new_job forgets it
+        self.job_groups: list = []          # process groups of this job's engines: a failure breaks these
+        self.unrecoverable = None           # why no new job can start in this process (groups it cannot rebuild)
+        self.ever_failed = False            # some job failed: groups with unmatched messages may remain
         self._stop = threading.Event()
         self._beat_keys = [f"beat/{r}" for r in range(world)]
         self._seen: dict = {}               # rank -> (last counter, local time it changed)
@@ -113,17 +124,19 @@ class FaultMonitor:
         self._thread.start()
 
     # ---- the failure record -------------------------------------------------------------------
-    def failure(self) -> dict | None:
-        """The published failure, or None. Raises if the store is unreachable."""
-        if self.store.check(["failed"]):
-            return json.loads(self.store.get("failed"))
+    def failure(self, epoch: int | None = None) -> dict | None:
+        """The failure published for job ``epoch`` (this one by default), or None. Raises if the store is unreachable."""
+        key = f"failed/{self.epoch if epoch is None else epoch}"
+        if self.store.check([key]):
+            return json.loads(self.store.get(key))
         return None
 
-    def publish(self, origin: int, message: str) -> dict:
-        """Record a failure unless one is already recorded; returns the record that stands."""
-        record = json.dumps({"origin": origin, "message": message, "reporter": self.rank})
+    def publish(self, origin: int, message: str, kind: str = "raised") -> dict:
+        """Record a failure unless one is already recorded; returns the record that stands.
+        ``kind``: raised (caught by a guard), uncaught, died or silent (the last three end a process)."""
+        record = json.dumps({"origin": origin, "message": message, "reporter": self.rank, "kind": kind})
         try:
-            return json.loads(self.store.compare_set("failed", "", record))
+            return json.loads(self.store.compare_set(f"failed/{self.epoch}", "", record))
         except Exception as exc:            # no store: this rank can only speak for itself
             log.error("ds_chimera: could not publish the failure to the rendezvous store (%s)", exc)
             return json.loads(record)
@@ -147,12 +160,19 @@ class FaultMonitor:
 
     # ---- guarding a rank's work ---------------------------------------------------------------
     @contextlib.contextmanager
-    def guard(self, what: str):
+    def guard(self, what: str, epoch: int | None = None, rebuild: str = REBUILD_ENGINE):
         """Run a unit of work; an exception is published (with its real origin) before it propagates.
-        Once the job has failed, the work does not start: :class:`JobFailed` names the origin."""
+        Once the job has failed, the work does not start: :class:`JobFailed` names the origin.
+        ``epoch``: the job of the engine doing the work; an engine of an earlier job never runs again
+        (``rebuild``: how the caller gets a new one)."""
+        if epoch is not None and epoch < self.epoch:
+            self.delivered = True
+            raise JobFailed(self.line(self.history[epoch]) + f" [rank {self.rank}: {what} not started: it was "
+                            f"set up before that failure and its process groups are broken; {rebuild}]")
         if self.failed is not None:
             self.delivered = True
-            raise JobFailed(self.line(self.failed) + f" [rank {self.rank}: {what} not started; the job failed]")
+            raise JobFailed(self.line(self.failed) + f" [rank {self.rank}: {what} not started; the job failed: "
+                            f"{rebuild}]")
         previous, self.activity = self.activity, what
         try:
             yield
@@ -172,11 +192,59 @@ class FaultMonitor:
         finally:
             self.activity = previous
 
-    def _learn(self, record: dict) -> None:
-        if self.failed is None:
-            self._failed_at = time.monotonic()
-            self.failed = record
-            _record_exit_codes()
+    def _learn(self, record: dict, epoch: int | None = None) -> None:
+        """Take ``record`` as this job's failure (unless one is known, or it is an earlier job's)."""
+        with self._state_lock:
+            if self.failed is None and (epoch is None or epoch == self.epoch):
+                self._failed_at = time.monotonic()
+                self.failed = record
+                self.ever_failed = True
+                _record_exit_codes()
+
+    # ---- a new job after a caught failure -----------------------------------------------------
+    def register_groups(self, groups) -> None:
+        """Process groups an engine of this job uses: a failure breaks these (and, as a last
+        resort, every group: see :meth:`_break_groups`)."""
+        known = {id(group) for group in self.job_groups}
+        self.job_groups += [group for group in groups if group is not None and id(group) not in known]
+
+    def start_new_job(self) -> int:
+        """Called where an engine is built; returns the job (epoch) the engine belongs to.
+
+        After a failure that every rank caught, the engine is the script's way of going on: it
+        gets fresh process groups, so a new job starts with no failure. That is refused, with
+        the reason, where it cannot work: a rank has ended since (a new engine needs every
+        rank), or a wait had to break groups that ds_chimera does not rebuild."""
+        record = self.failed if self.failed is not None else self.failure()
+        if record is None:
+            return self.epoch
+        self._learn(record)
+        record = self.failed
+        if self.unrecoverable is None and dist_backend() != "gloo":
+            self.unrecoverable = (f"going on after a failure needs gloo process groups, and these are "
+                                  f"{dist_backend()} (its communicators cannot be told apart from the job's)")
+        if self.unrecoverable is None and (self._ended() or record.get("kind") in ("uncaught", "died", "silent")):
+            self.unrecoverable = "a rank has ended since, and a new engine needs every rank"
+        if self.unrecoverable is not None:
+            self.delivered = True
+            raise JobFailed(self.line(record) + f" [rank {self.rank}: no new engine: {self.unrecoverable}; "
+                            f"{RESTART}]")
+        with self._state_lock:
+            self.history[self.epoch] = record
+            self.epoch += 1
+            self.failed, self._failed_at, self.failed_here = None, None, False
+            self.delivered, self._groups_broken = False, False
+            self.job_groups = []
+        log.warning("ds_chimera: rank %d builds a new engine after the failure (%s): job %d starts on new "
+                    "process groups", self.rank, self.line(record), self.epoch)
+        return self.epoch
+
+    def _ended(self) -> bool:
+        """Whether some rank's process has ended (or begun to) because of a failure."""
+        try:
+            return self.store.add("exited", 0) > 0
+        except Exception:
+            return True
 
     def check(self) -> None:
         """Raise :class:`JobFailed` if the job has failed (a waiting call's poll)."""
@@ -214,23 +282,43 @@ class FaultMonitor:
             self._waiting = False
 
     def _break_groups(self) -> None:
-        """Close the connections of every gloo process group of this process, which ends the call's
-        thread's wait (see :meth:`wait_interruptibly`): each gets a receive no one sends, waited on
-        for a millisecond. The job has failed, so nothing is lost; the peers' waits on these
-        connections end too, and they find the published failure."""
+        """Close the connections of this job's gloo process groups, which ends the call's thread's
+        wait (see :meth:`wait_interruptibly`): each gets a receive no one sends, waited on for a
+        millisecond. The job has failed, so nothing is lost; the peers' waits on these connections
+        end too, and they find the published failure. A wait on another group (one the engines
+        did not register, the default group among them) is still going after
+        ``BREAK_FALLBACK_S``: then every gloo group is broken, and no new job can start here."""
+        from torch.distributed import distributed_c10d as c10d
+        log.debug("ds_chimera: rank %d breaks %d group(s) of the failed job", self.rank, len(self.job_groups))
+        self._break(list(self.job_groups))
+        deadline = time.monotonic() + BREAK_FALLBACK_S
+        while self._waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self._waiting:
+            log.debug("ds_chimera: rank %d still waits: it breaks every gloo group", self.rank)
+            self.unrecoverable = ("this rank was waiting in a process group that is not the failed engine's "
+                                  "own (the default group, or one DeepSpeed or Megatron keeps), which had to "
+                                  "be broken to end the wait")
+            self._break(list(c10d._world.pg_map))
+
+    def _break(self, groups: list) -> None:
+        """Close every connection of each gloo group: a receive from a peer that times out closes
+        them all. A peer that broke its side first makes that receive fail at once instead, which
+        closes nothing else: then the next peer is tried."""
         import torch
         import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
         me = dist.get_rank() if dist.is_initialized() else self.rank
-        for group in list(c10d._world.pg_map):
+        for group in groups:
             with contextlib.suppress(Exception):
                 if "gloo" not in str(dist.get_backend(group)):
                     continue
-                peer = next((r for r in dist.get_process_group_ranks(group) if r != me), None)
-                if peer is None:
-                    continue
-                work = dist.irecv(torch.empty(1), src=peer, group=group, tag=BREAK_TAG)
-                work.wait(timedelta(milliseconds=1))
+                for peer in (r for r in dist.get_process_group_ranks(group) if r != me):
+                    try:
+                        work = dist.irecv(torch.empty(1), src=peer, group=group, tag=BREAK_TAG)
+                        work.wait(timedelta(milliseconds=1))
+                    except Exception as exc:
+                        if "Timed out" in str(exc):
+                            break
         log.debug("ds_chimera: rank %d closed its process groups' connections to end a wait", self.rank)
 
     def _report(self, exc: BaseException, what: str) -> dict:
@@ -275,7 +363,7 @@ class FaultMonitor:
         if not issubclass(kind, (KeyboardInterrupt, SystemExit)) and not self.failed_here:
             self.failed_here = True
             with contextlib.suppress(Exception):
-                self.publish(self.rank, f"{kind.__name__}: {value}")
+                self.publish(self.rank, f"{kind.__name__}: {value}", kind="uncaught")
         self._previous_hook(kind, value, traceback)
         self.exit("")
 
@@ -288,6 +376,7 @@ class FaultMonitor:
         self._stop.set()
         with contextlib.suppress(Exception):
             self.store.set(f"exiting/{self.rank}", "1")
+            self.store.add("exited", 1)
         if self.hosts_store:
             deadline = time.monotonic() + HOST_GRACE_S
             others = [r for r in range(self.world) if r != self.rank]
@@ -310,7 +399,7 @@ class FaultMonitor:
             return None
 
     def _suspect(self, dead_after: float, silent_after: float):
-        """(origin, message) of a rank that died or went silent, or None. Raises if the store is gone."""
+        """(origin, message, kind) of a rank that died or went silent, or None. Raises if the store is gone."""
         now = time.monotonic()
         for r, beat in enumerate(self.store.multi_get(self._beat_keys)):
             last = self._seen.get(r)
@@ -326,13 +415,13 @@ class FaultMonitor:
             host, pid = self._peer(r)
             state = _process_state(pid) if host == self.host and pid else None
             if silent >= dead_after and state in ("gone", "zombie"):
-                return r, f"its process (pid {pid} on {host}) died: no exception, no exit message"
+                return r, f"its process (pid {pid} on {host}) died: no exception, no exit message", "died"
             if silent >= silent_after:
                 if host is None:
                     return r, (f"it never reached ds_chimera's work: no heartbeat in {silent:.1f}s (timeout "
-                               f"{self.timeout_s:g}s); it died or is stuck before its first call")
+                               f"{self.timeout_s:g}s); it died or is stuck before its first call"), "silent"
                 how = "is stopped (SIGSTOP)" if state == "stopped" else "stopped responding"
-                return r, f"it {how}: no heartbeat for {silent:.1f}s (timeout {self.timeout_s:g}s)"
+                return r, f"it {how}: no heartbeat for {silent:.1f}s (timeout {self.timeout_s:g}s)", "silent"
         return None
 
     def _peer(self, r: int):
@@ -348,7 +437,8 @@ class FaultMonitor:
             polls += 1
             try:
                 self.store.add(f"beat/{self.rank}", 1)
-                record = self.failure()
+                epoch = self.epoch
+                record = self.failure(epoch)
                 suspect = None
                 if 0 not in self._peers:    # rank 0's process, examined if the store it hosts freezes
                     self._peer(0)
@@ -362,25 +452,50 @@ class FaultMonitor:
                     return
                 if self.delivered:
                     return
-                record, suspect = self.failed, None     # known before the store went: delivered as below
+                record, suspect, epoch = self.failed, None, self.epoch  # known before the store went: delivered below
             except Exception:
                 # the store's host ended (rank 0 under env://, or the launcher). If it failed, the
                 # process groups fail too, and the guarded work reports it; stop watching, unless the
                 # failure is known already (its host published it, then ended): delivered as below
                 if self.failed is None or self.delivered:
                     return
-                record, suspect = self.failed, None
+                record, suspect, epoch = self.failed, None, self.epoch
             if record is None and suspect is not None:
                 record = self.publish(*suspect)
             if record is not None:
-                self._learn(record)
+                self._learn(record, epoch)
+                if self.failed is None:     # an earlier job's failure, read as a new job started
+                    continue
                 if self._waiting and not self._groups_broken:
                     # on its own thread: a group whose peer died may block its receive, not this watch
                     self._groups_broken = True
                     threading.Thread(target=self._break_groups, name="ds_chimera-break-groups", daemon=True).start()
-                if not self.delivered and time.monotonic() - self._failed_at > DELIVER_S:
+                if not self.delivered and time.monotonic() - self._failed_at > self._deliver_within(record):
                     where = "" if record["origin"] == self.rank else self._stops_too()
-                    self.exit(self.line(record) + where)
+                    self.exit(self.line(self.failed) + where)
+                if self.delivered and self._job_over(self.failed):
+                    self.exit(self.line(self.failed) + f" [rank {self.rank} still runs {self.timeout_s:g}s after "
+                              "it was told, and a rank has ended: nothing can go on (a new engine needs every "
+                              "rank), so this process ends too]")
+
+    def _job_over(self, record: dict) -> bool:
+        """A told rank's script may catch and go on, but not once a rank has ended: then the script
+        has the pipeline timeout to finish on its own (it may be blocked in a collective with the
+        rank that ended, such as building a new PipelineModule's groups)."""
+        if time.monotonic() - self._failed_at <= self.timeout_s + DELIVER_S:
+            return False
+        return record.get("kind") in ("uncaught", "died", "silent") or self._ended()
+
+    def _deliver_within(self, record: dict) -> float:
+        """How long a rank that has not been told of the failure may take to call in.
+
+        A rank inside a ds_chimera call that did not end is blocked where no one can reach it:
+        ``DELIVER_S``. A rank in its own code may yet call in, be told, catch it and go on (a new
+        engine), as long as every rank lives: it has the pipeline timeout, and ``DELIVER_S`` once
+        any rank has ended (the job cannot go on then)."""
+        if self.activity != IDLE or record.get("kind") in ("uncaught", "died", "silent") or self._ended():
+            return DELIVER_S
+        return max(DELIVER_S, self.timeout_s)
 
     def close(self) -> None:
         """A normal end: the others must not mistake this rank's silence for a death. The watch
@@ -392,7 +507,7 @@ class FaultMonitor:
         exception"): the process ends here instead, with the code ``sys.exit`` was given."""
         if self._stop.is_set():
             return
-        if self.failed is not None:
+        if self.ever_failed:
             self.exit("", _requested_exit_code())
         self._stop.set()
         if self._thread is not threading.current_thread():
@@ -431,7 +546,19 @@ def _requested_exit_code() -> int:
     return 1
 
 
+def dist_backend() -> str:
+    """The default group's backend ("gloo", "nccl", ...), or "none"."""
+    import torch.distributed as dist
+    try:
+        return str(dist.get_backend())
+    except Exception:
+        return "none"
+
+
 def _is_comm_error(exc: BaseException) -> bool:
+    import torch.distributed as dist
+    if isinstance(exc, getattr(dist, "DistError", ())):     # a store wait, a closed connection
+        return True
     text = str(exc)
     return any(marker in text for marker in ("Connection closed", "Connection reset", "Broken pipe",
                                              "Timed out waiting", "gloo"))
@@ -485,7 +612,19 @@ def current() -> FaultMonitor | None:
     return _MONITOR
 
 
-def guard(what: str, timeout_s: float | None = None):
+def guard(what: str, timeout_s: float | None = None, epoch: int | None = None, rebuild: str = REBUILD_ENGINE):
     """:meth:`FaultMonitor.guard` of the process's monitor (a no-op context without one)."""
     found = monitor(timeout_s)
-    return found.guard(what) if found is not None else contextlib.nullcontext()
+    return found.guard(what, epoch, rebuild) if found is not None else contextlib.nullcontext()
+
+
+def start_new_job(timeout_s: float | None = None) -> int | None:
+    """:meth:`FaultMonitor.start_new_job` of the process's monitor (None without one)."""
+    found = monitor(timeout_s)
+    return found.start_new_job() if found is not None else None
+
+
+def register_groups(groups) -> None:
+    """:meth:`FaultMonitor.register_groups` of the process's monitor, if one runs."""
+    if _MONITOR is not None:
+        _MONITOR.register_groups(groups)

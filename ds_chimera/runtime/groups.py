@@ -10,7 +10,11 @@ The DeepSpeed engine and the Megatron contract both build theirs here:
   one collective);
 - one group per tied-weight key over the ranks holding a module of it;
 - NCCL only: one two-rank group per (edge, direction), because NCCL matches messages by
-  issue order, not by tag.
+  issue order, not by tag;
+- gloo only: ``job``, a group of the whole world that is the engine's own, for the tagged
+  messages and the loss all-reduce, so that a failure can break it (and the failed engine's
+  other groups) and leave the default group whole for the next engine (runtime/faults.py).
+  On NCCL it is the default group (None): another world communicator costs device memory.
 
 Group creation is bounded by the pipeline timeout (a missing rank fails, it does not hang).
 """
@@ -36,6 +40,7 @@ class PipelineGroups:
         self.stage: dict = {}        # stage -> group (None: a group of one)
         self.tied: dict = {}         # tied key -> group
         self.edges: dict = {}        # (src chunk, dst chunk, kind) -> group, NCCL only
+        self.job = None if nccl_edges else self._new(list(range(dist.get_world_size())))
         slices = [None] if span_pipelines else list(range(len(self.pipelines)))
         for stage in (range(placement.num_stages) if stages is None else stages):
             holders = placement.stage_group(stage)
@@ -62,6 +67,10 @@ class PipelineGroups:
                         if d == mine:
                             self.edges[key] = group
 
+    def all_groups(self) -> list:
+        """Every group of this placement that this rank is a member of (for the fault monitor)."""
+        return [g for g in [self.job, *self.stage.values(), *self.tied.values(), *self.edges.values()] if g is not None]
+
     def _ranks(self, pipe_ranks, d) -> tuple:
         pipelines = self.pipelines if d is None else [self.pipelines[d]]
         return tuple(sorted({ranks[p] for ranks in pipelines for p in pipe_ranks}))
@@ -74,3 +83,14 @@ class PipelineGroups:
         if ranks not in self._cache:
             self._cache[ranks] = self._new(ranks) if len(ranks) > 1 else None
         return self._cache[ranks]
+
+
+def process_groups_in(*owners) -> list:
+    """The process groups an object holds in its attributes (directly, or in a list, tuple or dict
+    of them): DeepSpeed's grid and ZeRO optimizers keep theirs so. For the fault monitor."""
+    found = []
+    for owner in owners:
+        for value in (vars(owner).values() if hasattr(owner, "__dict__") else ()):
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+            found += [item for item in items if isinstance(item, dist.ProcessGroup)]
+    return found

@@ -57,7 +57,8 @@ class PipelineHost:
                                      span_pipelines=not self.zero1, tied_holders=holders, nccl_edges=nccl)
         self.transport = P2P(lambda p: grid.stage_to_global(p), self.device, len(self.placement.chunks),
                              plan.timeout_s, self.groups.edges,
-                             dynamic_shapes=bool(getattr(engine.module, "dynamic_shape", False)))
+                             dynamic_shapes=bool(getattr(engine.module, "dynamic_shape", False)),
+                             default_group=self.groups.job)
         self.max_norm = plan.clip
         self.grad_norm = None                 # the norm before clipping of the last step (None: not clipped)
         self.hp_grads = {}

@@ -100,12 +100,13 @@ class P2P:
     """Sends and receives :class:`~ds_chimera.schedules.actions.Message` payloads."""
 
     def __init__(self, to_global_rank, device, num_chunks: int, timeout_s: float, groups=None,
-                 dynamic_shapes: bool = False):
+                 dynamic_shapes: bool = False, default_group=None):
         self.to_global = to_global_rank      # pipeline rank -> global rank
         self.device = device
         self.num_chunks = num_chunks
         self.timeout_s = timeout_s
         self.groups = groups or {}            # (src_chunk, dst_chunk, kind) -> group (NCCL only)
+        self.default_group = default_group    # every other message's (gloo: the engine's own world group)
         self.pending_sends: deque = deque()     # oldest first
         self.max_pending = PENDING_PER_CHUNK * num_chunks + 8
         self.header_on_device = dist.get_backend() != "gloo"
@@ -125,7 +126,7 @@ class P2P:
         return (((msg.mb * self.num_chunks + msg.src) * self.num_chunks + msg.dst) * 2 + kind_bit) * 16 + part
 
     def _group(self, msg):
-        return self.groups.get((msg.src, msg.dst, msg.kind))
+        return self.groups.get((msg.src, msg.dst, msg.kind), self.default_group)
 
     @staticmethod
     def _edge(msg):

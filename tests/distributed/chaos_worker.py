@@ -9,7 +9,9 @@ instead loads the latest checkpoint and trains the remaining steps. Every rank w
 OUTDIR/PHASE-rankR.json with its losses and the one-process reference's; the victim
 writes OUTDIR/fault.json with the time it failed. CATCH=1: every rank wraps train_batch in
 try/except, as a script that saves or reports on failure does, writes what it caught to
-OUTDIR/caught-rankR.json (and what a second train_batch raised), and ends normally.
+OUTDIR/caught-rankR.json (and what a second train_batch raised), and ends normally. RECOVER=1 (with
+CATCH=1): after the failure every rank builds a new engine, loads the latest checkpoint and trains
+the remaining steps (or records the refusal, when a rank died), then calls the failed engine again.
 """
 import json
 import os
@@ -143,9 +145,13 @@ def run_pipeline(phase: str) -> dict:
             try:
                 losses[step] = engine.train_batch(iter(batches(step))).item()
             except Exception as exc:
-                return {"caught": caught(exc), "again": call_again(engine, batches(step))}
-            continue
-        losses[step] = engine.train_batch(iter(batches(step))).item()
+                result = {"caught": caught(exc), "again": call_again(engine, batches(step))}
+                if os.environ.get("RECOVER") == "1":
+                    write_json(os.path.join(OUT, f"caught-rank{RANK}.json"), result)
+                    result["recovered"] = recover(engine, ckpt, batches)
+                return result
+        else:
+            losses[step] = engine.train_batch(iter(batches(step))).item()
         if step + 1 in SAVE_AFTER:
             engine.save_checkpoint(ckpt, tag=f"global_step{step + 1}", client_state={"steps_done": step + 1})
     return {"first": first, "losses": losses, "reference": pipeline_reference(engine),
@@ -154,6 +160,24 @@ def run_pipeline(phase: str) -> dict:
 
 def caught(exc: BaseException) -> dict:
     return {"type": type(exc).__name__, "message": str(exc), "time": time.time()}
+
+
+def recover(failed, ckpt: str, batches) -> dict:
+    """What a script that goes on after a failure does: a new engine, the latest checkpoint, the rest."""
+    try:
+        engine = pipeline_engine()
+    except Exception as exc:
+        return caught(exc)
+    try:
+        _, client = engine.load_checkpoint(ckpt)
+        first = client["steps_done"]
+        losses = {}
+        for step in range(first, STEPS):
+            losses[step] = engine.train_batch(iter(batches(step))).item()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"first": first, "losses": losses, "reference": pipeline_reference(engine),
+            "old_engine": call_again(failed, batches(first))}
 
 
 def call_again(engine, batch) -> dict:
@@ -233,15 +257,22 @@ def run_wavelet(phase: str) -> dict:
             "left": sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else []}
 
 
+def write_json(path: str, value) -> None:
+    with open(path + ".tmp", "w") as fh:
+        json.dump(value, fh)
+    os.replace(path + ".tmp", path)
+
+
 def main():
     phase = os.environ.get("PHASE", "fault")
     deepspeed.init_distributed(dist_backend="gloo")
     result = run_wavelet(phase) if ENGINE == "wavelet" else run_pipeline(phase)
-    path = os.path.join(OUT, f"{'caught' if 'caught' in result else phase}-rank{RANK}.json")
-    with open(path + ".tmp", "w") as fh:
-        json.dump(result, fh)
-    os.replace(path + ".tmp", path)
-    if "caught" in result:          # no barrier: the job's process groups may hold half-posted messages
+    write_json(os.path.join(OUT, f"{'caught' if 'caught' in result else phase}-rank{RANK}.json"), result)
+    if "caught" in result:
+        recovered = result.get("recovered", {})
+        if "losses" in recovered:       # the default group was left whole: it still works
+            tdist.barrier()
+            print("recovered and finished", flush=True)
         print("caught the failure and carried on", flush=True)
         return
     tdist.barrier()

@@ -33,9 +33,11 @@ CASES = {
     "chimera-gpt2": ("gpt2", "chimera", 4, ["--gradient_accumulation_steps", "4", "--max_steps", "6",
                                             "--max_grad_norm", "0.5", "--eval_strategy", "steps", "--eval_steps", "3",
                                             "--save_strategy", "steps", "--save_steps", "3"], []),
-    # Llama (untied), one padded line per example (padded batches), clipping set but never reached
+    # Llama (untied), one padded line per example (padded batches), clipping set but never reached; HF's own
+    # --gradient_checkpointing (the plain Trainer recomputes each decoder layer, the pipeline each layer)
     "1f1b-llama-padded": ("llama", "1f1b", 4, ["--gradient_accumulation_steps", "4", "--max_steps", "5",
-                                               "--max_grad_norm", "1000", "--line_by_line"], []),
+                                               "--max_grad_norm", "1000", "--line_by_line",
+                                               "--gradient_checkpointing"], []),
     # zbv: 8 stages of a 5-block GPT-2 on 4 ranks, clipping off
     "zbv-gpt2": ("gpt2-5", "zbv", 4, ["--gradient_accumulation_steps", "4", "--max_steps", "5",
                                       "--max_grad_norm", "0"], []),

@@ -420,6 +420,42 @@ def run_dist_checkpoints(out_dir: str, rank: int) -> dict:
     return {"dist_checkpoints": results}
 
 
+def run_caught_failure() -> dict:
+    """Rank 1's forward_step raises in a training call; every rank catches. The same groups refuse at
+    once; after Megatron's groups are rebuilt, the same chunks give the losses they gave before."""
+    from megatron.core import parallel_state
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=4)
+    fb = dsm.get_forward_backward_func("1f1b", timeout=30)
+    chunks = dsm.build_model_chunks(provider_for(gpt_config(4, None)), "1f1b")
+    batches = [micro_batch(0, mb) for mb in range(N)]
+    plain, calls = forward_step_for(2), []
+
+    def failing(data_iterator, model):
+        calls.append(1)
+        if dist.get_rank() == 1 and len(calls) == 3:
+            raise RuntimeError("injected failure in rank 1's forward_step")
+        return plain(data_iterator, model)
+
+    def call(forward_only, step=plain):
+        dicts = fb(forward_step_func=step, data_iterator=iter(batches), model=chunks, num_microbatches=N,
+                   seq_length=SEQ, micro_batch_size=MBS, forward_only=forward_only)
+        return [float(d["lm loss"]) for d in dicts]
+
+    def raised(work) -> str:
+        try:
+            work()
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "nothing raised"
+    before = call(True)
+    first = raised(lambda: call(False, failing))
+    again = raised(lambda: call(True))
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=4)
+    return {"caught_failure": {"first": first, "again": again, "before": before, "after": call(True)}}
+
+
 def run_dead_rank(timeout_s: float):
     """Rank 3 dies after building its chunk; the others must fail with a clear error, not hang."""
     from megatron.core import parallel_state
@@ -445,6 +481,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     dsm.enable_cpu()
     results = [run_case(*case[:4], rank, world, *case[4:]) for case in CASES]
+    results.append(run_caught_failure())
     results.append(run_auto(out_dir, rank, world))
     results.append(run_dist_checkpoints(out_dir, rank))
     results.append(run_refusals())
