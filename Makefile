@@ -31,7 +31,8 @@ test: $(STAMP)
 
 # CI's suite plus the variants and grids it leaves out (about 15 minutes on the 2-core host): every shipped
 # config, four more Megatron-contract cases, the whole interpreter kernel grids, 12 chaos cases, the two-node
-# launch, a plain Trainer resuming a pipelined checkpoint, a caught kill, the pipeoptim launch.
+# launch, a plain Trainer resuming a pipelined checkpoint, a caught kill, the pipeoptim launch, the whole
+# bad-input grid (tests/test_bad_inputs.py: each bad file or key on 4 ranks).
 test-full: $(STAMP)
 	DS_CHIMERA_FULL=1 DS_CHIMERA_KERNEL_GRID=full DS_CHIMERA_CHAOS=12 $(PYTHON) -m pytest -q -n 2 --dist loadfile tests
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 
 # what a damaged or foreign file raises while being read and parsed
-READ_ERRORS = (OSError, EOFError, UnicodeDecodeError, ValueError, TypeError, KeyError, IndexError, RuntimeError)
+READ_ERRORS = (OSError, EOFError, UnicodeDecodeError, ValueError, TypeError, KeyError, IndexError, RuntimeError,
+               pickle.UnpicklingError)
 
 
 def read_named_file(what: str, path, parse, fix: str):

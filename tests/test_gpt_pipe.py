@@ -21,7 +21,8 @@ SCHEDULES = ["1f1b", "chimera", "zbv", "interleaved"] + (["gpipe", "breadth-firs
 RAMPUP = ["rampup-chimera"] + (["rampup-zbv"] if FULL else [])
 STOCK_CKPT = ["chimera"] + (["1f1b", "zbv"] if FULL else [])
 SCENARIOS = ([f"gpt-{s}" for s in SCHEDULES + RAMPUP] + ["gpt-1stage-chimera"]
-             + [f"gpt-stock-ckpt-{s}" for s in STOCK_CKPT] + ["gpt-auto", "gpt-auto-stock-ckpt", "gpt-auto-profile-error"])
+             + [f"gpt-stock-ckpt-{s}" for s in STOCK_CKPT] + ["gpt-auto", "gpt-auto-stock-ckpt", "gpt-auto-profile-error",
+                                                                "gpt-auto-own-ckpt"])
 # the losses are float32 sums over a different order of micro-batches and replicas: equal to ~1 ulp of a loss ~10
 REL = 1e-6
 
@@ -107,6 +108,15 @@ def test_auto_without_training_data_plans_at_the_first_train_batch(results, scen
         _same(r["losses"], r["stock_losses"])
         assert r["lrs"] == r["stock_lrs"]
         assert r["schedule"] == r["chosen"]["schedule"] and not r["deferred"]
+
+
+def test_auto_loading_its_own_checkpoint_before_the_first_call_goes_on_under_that_checkpoints_plan(results):
+    """Interleaved with chunks=2 wrote the checkpoint; "auto" (no training_data) loads it before any call and
+    continues exactly as the named run did, under the same schedule and options."""
+    for rank_results in results:
+        r = rank_results["gpt-auto-own-ckpt"]
+        assert r["losses"] == r["reference"], r
+        assert r["schedule"] == "interleaved" and r["options"] == {"chunks": 2} and not r["deferred"], r
 
 
 def test_a_layer_rank_0_cannot_profile_fails_every_rank_with_its_name(results):

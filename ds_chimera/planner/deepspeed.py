@@ -74,7 +74,11 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
             return profile_module(module, training_data, collate_fn, pipeline, dp, device,
                                   _optimizer_state_bytes(config, optimizer), micro_batch).to_json()
         profile = Profile.from_json(_on_rank0_for_all(profiled, "profiling the layers", dist))
-    first, second = grid.stage_to_global(stage_id=0), grid.stage_to_global(stage_id=min(1, stages - 1))
+    # the first data-parallel copy's first two stages, the same two ranks on every rank: the pair's group is
+    # created by every rank with the same members (each copy naming its own pair made groups whose members
+    # differed between ranks under one name: a rendezvous that could pair the wrong ranks and hang)
+    first = grid.stage_to_global(stage_id=0, data=0)
+    second = grid.stage_to_global(stage_id=min(1, stages - 1), data=0)
     big = max(max(layer.output_bytes for layer in profile.layers), 1 << 20)
     grads = max(sum(layer.param_bytes for layer in profile.layers) // max(1, stages), 1 << 20)
     stage_fwd = sum(layer.fwd for layer in profile.layers) / max(1, stages)

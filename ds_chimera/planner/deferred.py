@@ -15,6 +15,10 @@ and the first ``train_batch`` or ``eval_batch``:
    loaded again into the new one;
 4. runs the call, and every later one, under the plan.
 
+A ds_chimera checkpoint loaded before the first call decides instead: its optimizer state fits only
+the plan it was written under, so the engine is rebuilt under that plan (schedule, options, cut),
+and the run continues as the one that wrote it (:meth:`DeferredPlan.adopt`).
+
 Both builds leave the random streams as they found them, so the run is the one that names the chosen
 plan from the start. The optimizer instance the script passed is rebuilt in place (the object
 ``initialize`` returned stays the live one, and a scheduler bound to it keeps driving it); an optimizer
@@ -77,6 +81,22 @@ class DeferredPlan:
         self._rebuild(engine, pipeline, iterator)
         if first[0] is not None:
             engine._pending_batches.append(first[0])       # the profiled micro-batch is the call's first
+
+    def adopt(self, engine, saved: dict, where: str) -> None:
+        """Rebuild ``engine`` under the plan of a ds_chimera checkpoint (its layout file, ``saved``)."""
+        import torch.distributed as dist
+        here = {"stages": engine.num_stages, "data_parallel": engine.dp_size}
+        if any(saved.get(key) != value for key, value in here.items()):
+            raise ValueError(f"checkpoint {where} was written on {saved.get('stages')} pipeline stages x "
+                             f"{saved.get('data_parallel')} data-parallel, and this run has {here['stages']} x "
+                             f"{here['data_parallel']}: its optimizer state does not map onto this run. Load the "
+                             f"weights only: load_checkpoint(..., load_optimizer_states=False, "
+                             f"load_lr_scheduler_states=False)")
+        section = {"schedule": saved["schedule"], **saved.get("options", {}), "parts": saved["parts"]}
+        if dist.get_rank() == 0:
+            log.info("schedule auto: checkpoint %s was written under %r (parts %s): the run continues under that "
+                     "plan (its optimizer state fits no other)", where, saved["schedule"], saved["parts"])
+        self._rebuild(engine, self.pipeline.with_plan(section), getattr(engine, "_given_iterator", None))
 
     def _rebuild(self, engine, pipeline, iterator) -> None:
         carried = {k: engine.__dict__[k] for k in CARRIED if k in engine.__dict__}

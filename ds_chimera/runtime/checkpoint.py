@@ -81,6 +81,25 @@ def load_written(path: str, device):
 DAMAGED_FIX = "load another tag (load_checkpoint(dir, tag=...)), or restore the file"
 
 
+def damaged_state_files(directory: str) -> list:
+    """DeepSpeed's state files in a tag folder that are not whole torch.save archives (truncated, garbage).
+
+    DeepSpeed's loader does not say which file it failed on, and a rank may read another rank's
+    (the pipeline engine reads every model-states file): on a failed load this names the culprits.
+    Reads every archive's checksums, so only after a failure."""
+    import glob
+    import zipfile
+    found = []
+    for path in sorted(glob.glob(os.path.join(directory, "*_states.pt"))):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                if archive.testzip() is not None:
+                    found.append(path)
+        except (OSError, zipfile.BadZipFile, EOFError, ValueError):
+            found.append(path)
+    return found
+
+
 def load_layers(engine, path: str, strict: bool = True) -> None:
     first_use = _tied_first_use(engine.module._layer_specs)
     for idx, (_, obj) in sorted(layer_objects(engine).items()):
@@ -116,7 +135,22 @@ def layout(engine) -> dict:
            "stage_ranks": [[int(r) for r in ranks] for ranks in engine.placement.stage_ranks]}
     if engine.plan.zero >= 2:
         out["zero"] = engine.plan.zero         # the optimizer state is in per-rank shards
+    options = dict(engine.plan.config.options)
+    if options and _json_safe(options):
+        out[OPTIONS] = options                 # to rebuild the plan ("auto" loading before its first call)
     return out
+
+
+OPTIONS = "options"      # in the layout file, not compared: stage_ranks and parts say where the state lives
+
+
+def _json_safe(value) -> bool:
+    import json
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def shards_file(engine, directory: str) -> str:
@@ -163,7 +197,9 @@ def saved_layout(load_dir: str, tag):
 def check_layout(engine, saved: dict | None, load_dir: str, tag) -> None:
     """Refuse optimizer state saved by ds_chimera under another layout (``saved``, from :func:`saved_layout`: it
     would be misread); a stock checkpoint's is mapped by :func:`stock_optimizer_state` instead."""
-    if saved is None or saved == layout(engine):
+    def compared(found: dict) -> dict:
+        return {k: v for k, v in found.items() if k != OPTIONS}
+    if saved is None or compared(saved) == compared(layout(engine)):
         return
     raise ValueError(f"checkpoint {load_dir}/{tag} was written under {saved}; this engine is "
                      f"{layout(engine)}: its optimizer state does not map onto these chunks. Load the weights "

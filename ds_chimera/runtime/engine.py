@@ -327,10 +327,8 @@ class ScheduledPipelineEngine(PipelineEngine):
                 return None, None
         saved = ckpt.saved_layout(load_dir, tag)          # None: written by DeepSpeed's stock engine
         if self._deferred_plan is not None and saved is not None:
-            raise ValueError(f'"schedule": "auto" plans at the first train_batch here (no training_data was given), '
-                             f"and checkpoint {load_dir} was written by ds_chimera under a plan this engine does "
-                             f'not know yet: name the plan_file that run wrote in the "pipeline" section (a run with '
-                             f"plan_file set writes it), or name its schedule")
+            # "auto" not planned yet: the run goes on under the plan the checkpoint was written under
+            self._deferred_plan.adopt(self, saved, f"{load_dir}/{tag}")
         stock_state = None
         if load_optimizer_states and not load_module_only:
             if saved is None:      # the stock engine's: mapped parameter by parameter
@@ -347,9 +345,12 @@ class ScheduledPipelineEngine(PipelineEngine):
             except ValueError:
                 raise           # ours: it names the file
             except READ_ERRORS as exc:
+                damaged = ckpt.damaged_state_files(os.path.join(load_dir, str(tag)))
+                which = f"damaged: {', '.join(damaged)}" if damaged else \
+                    f"it reads {self._get_ckpt_name(load_dir, tag)} and the other ranks' model states"
                 raise ValueError(f"checkpoint {load_dir}/{tag}: DeepSpeed could not read it on rank "
-                                 f"{self.global_rank} (which reads {self._get_ckpt_name(load_dir, tag)}): "
-                                 f"{describe(exc)}; the file is damaged or truncated: {ckpt.DAMAGED_FIX}") from exc
+                                 f"{self.global_rank} ({which}): {describe(exc)}; the file is damaged or "
+                                 f"truncated: {ckpt.DAMAGED_FIX}") from exc
             if stock_state is not None and result[0] is not None:
                 self.optimizer.load_state_dict(stock_state)
             if self.host.shards is not None and result[0] is not None:    # the loaded full weights' slices

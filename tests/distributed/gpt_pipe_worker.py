@@ -244,6 +244,30 @@ def auto_without_data(counts=(8,) * STEPS, load_stock=False):
             "lrs": lrs, "named_lrs": named_lrs, "chosen": {"schedule": name, **chosen}, **planned}
 
 
+def auto_resumes_own_checkpoint(schedule="interleaved", **options):
+    """A ds_chimera checkpoint loaded under "auto" before its first call: the run goes on under the plan the
+    checkpoint was written under (schedule, options, cut), exactly as the uninterrupted named run."""
+    holder = [tempfile.mkdtemp(prefix="dsc_gpt_own_") if tdist.get_rank() == 0 else None]
+    tdist.broadcast_object_list(holder, src=0)
+    root = holder[0]
+    named, _ = build_engine(4, config(schedule, 8, **options))
+    train(named, [8, 8])
+    named.save_checkpoint(root, tag="named")
+    dp_id = named.grid.get_data_parallel_id()
+    reference = [float(named.train_batch(data_iter=iter(token_batches(step, 8, 1, dp_id)))) for step in (2, 3)]
+    del named
+    auto, _ = build_engine(4, config("auto", 8, memory_limit_gb=64))
+    auto.load_checkpoint(root, tag="named")
+    losses = [float(auto.train_batch(data_iter=iter(token_batches(step, 8, 1, dp_id)))) for step in (2, 3)]
+    result = {"reference": reference, "losses": losses, "schedule": auto.schedule.name,
+              "options": dict(auto.plan.config.options), "deferred": auto._deferred_plan is not None}
+    tdist.barrier()
+    if tdist.get_rank() == 0:
+        import shutil
+        shutil.rmtree(root, ignore_errors=True)
+    return result
+
+
 class NoGradRefusingBlock(TransformerBlock):
     """Refuses to run without autograd: the profiler's forward-only timing fails on it (training would not)."""
 
@@ -285,6 +309,7 @@ SCENARIOS["gpt-auto-profile-error"] = auto_profile_error
 SCENARIOS["gpt-auto-stock-ckpt"] = lambda: auto_without_data(counts=(8, 8), load_stock=True)
 SCENARIOS["gpt-stock-ckpt-chimera"] = lambda: stock_checkpoint_resume("chimera")
 SCENARIOS["gpt-stock-ckpt-zbv"] = lambda: stock_checkpoint_resume("zbv")
+SCENARIOS["gpt-auto-own-ckpt"] = lambda: auto_resumes_own_checkpoint("interleaved", chunks=2)
 
 
 def main():
