@@ -245,7 +245,7 @@ def test_resolve_refuses_bad_setups_by_value(config, world, message):
     assert message in str(info.value)
 
 
-@pytest.mark.parametrize("attr,value", [("label_smoothing_factor", 0.1), ("activation_checkpointing", True),
+@pytest.mark.parametrize("attr,value", [("label_smoothing_factor", 0.1), ("use_liger_kernel", True),
                                         ("load_best_model_at_end", True), ("torch_compile", True),
                                         ("neftune_noise_alpha", 5.0), ("fp16", True)])
 def test_resolve_refuses_arguments_the_pipeline_would_ignore(attr, value):

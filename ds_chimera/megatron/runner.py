@@ -143,9 +143,14 @@ class ScheduleRunner:
             p2p = P2P(lambda p: ranks[p], device, len(schedule.placement.chunks), self.timeout_s, groups.edges,
                       default_group=groups.job)
             p2p.shape_hint = "set variable_seq_lengths=True in the model's config (Megatron's switch for this)"
-            faults.register_groups(groups.all_groups() + [group] + _megatron_groups())
             self._comms[key] = (groups, p2p, epoch)
+            self._fault_groups = groups.all_groups() + [group]
+            faults.register(self)
         return self._comms[key]
+
+    def fault_groups(self) -> list:
+        """The process groups a failure must break to end this runner's waits (runtime/faults.py)."""
+        return list(getattr(self, "_fault_groups", [])) + _megatron_groups()
 
     def _guard(self, what: str):
         return faults.guard(what, self.timeout_s, self.epoch, rebuild=REBUILD_GROUPS)

@@ -97,13 +97,6 @@ class DeferredPlan:
             log.info("schedule auto: checkpoint %s was written under %r (parts %s): the run continues under that "
                      "plan (its optimizer state fits no other)", where, saved["schedule"], saved["parts"])
         self._rebuild(engine, self.pipeline.with_plan(section), getattr(engine, "_given_iterator", None))
-        from ..runtime.checkpoint import OPTIONS, layout
-        rebuilt = layout(engine)
-        if OPTIONS not in saved and {k: v for k, v in rebuilt.items() if k != OPTIONS} != saved:
-            raise ValueError(f"checkpoint {where} was written under {saved} by a ds_chimera that did not record "
-                             f"the schedule's options, and {saved['schedule']!r} with its defaults is "
-                             f"{rebuilt}: name that schedule and its options in the \"pipeline\" section (or the "
-                             f"plan_file its run wrote) to resume it")
 
     def _rebuild(self, engine, pipeline, iterator) -> None:
         carried = {k: engine.__dict__[k] for k in CARRIED if k in engine.__dict__}

@@ -133,11 +133,11 @@ def layout(engine) -> dict:
     out = {"schedule": engine.schedule.name, "stages": engine.num_stages, "data_parallel": engine.dp_size,
            "parts": [int(p) for p in engine.plan.parts],
            "stage_ranks": [[int(r) for r in ranks] for ranks in engine.placement.stage_ranks]}
-    if engine.plan.zero >= 2:
-        out["zero"] = engine.plan.zero         # the optimizer state is in per-rank shards
     options = dict(engine.plan.config.options)
     if options and _json_safe(options):
         out[OPTIONS] = options                 # to rebuild the plan ("auto" loading before its first call)
+    if engine.plan.zero >= 2:
+        out["zero"] = engine.plan.zero         # the optimizer state is in per-rank shards
     return out
 
 

@@ -61,7 +61,7 @@ class ScheduledPipelineEngine(PipelineEngine):
             self.host.shards.engine_ready()
         self.executor = StepExecutor(self.host)
         self.faults = faults.monitor(plan.timeout_s)     # one rank's failure ends every rank, naming it
-        faults.register_groups(self.host.groups.all_groups() + process_groups_in(self.grid, self.optimizer, self))
+        faults.register(self)
         self._deferred_plan = None      # "auto" planned at the first call (planner/deferred.py)
         self._pending_batches = []      # micro-batches taken from the iterator before the step (that plan's)
         self._given_iterator = None     # the script's iterator on every rank (the plan may move the data ranks)
@@ -72,6 +72,10 @@ class ScheduledPipelineEngine(PipelineEngine):
             log.info("schedule %r on %d ranks x %d data-parallel, %d micro-batches, %d chunk(s) per rank",
                      self.schedule.name, self.num_stages, self.dp_size, self.micro_batches,
                      len(self.host.chunk_modules))
+
+    def fault_groups(self) -> list:
+        """The process groups a failure must break to end this engine's waits (runtime/faults.py)."""
+        return self.host.groups.all_groups() + process_groups_in(self.grid, self.optimizer, self)
 
     @property
     def chunk_modules(self) -> dict:
@@ -329,6 +333,12 @@ class ScheduledPipelineEngine(PipelineEngine):
         if self._deferred_plan is not None and saved is not None:
             # "auto" not planned yet: the run goes on under the plan the checkpoint was written under
             self._deferred_plan.adopt(self, saved, f"{load_dir}/{tag}")
+            rebuilt = ckpt.layout(self)
+            if ckpt.OPTIONS not in saved and {k: v for k, v in rebuilt.items() if k != ckpt.OPTIONS} != saved:
+                raise ValueError(f"checkpoint {load_dir}/{tag} was written under {saved} by a ds_chimera that did "
+                                 f"not record the schedule's options, and {saved['schedule']!r} with its defaults "
+                                 f"is {rebuilt}: name that schedule and its options in the \"pipeline\" section "
+                                 f"(or the plan_file its run wrote) to resume it")
         stock_state = None
         if load_optimizer_states and not load_module_only:
             if saved is None:      # the stock engine's: mapped parameter by parameter

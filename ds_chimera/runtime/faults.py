@@ -25,7 +25,7 @@ with the stock engine. The engines built before it are dead from then on: their 
 groups may hold half-posted messages, so every later guarded call on them raises
 :class:`JobFailed` instead of running into them. A new engine starts a new job
 (:meth:`FaultMonitor.start_new_job`) on fresh process groups, when every rank is still there
-and the failure broke only the failed engines' groups (``register_groups``). A communication error
+and the failure broke only the failed engines' groups (``register``). A communication error
 (a peer's connection closed, a bounded wait expired) is not the rank's own fault: the
 guard first looks for the real origin (a published failure, a dead process, a silent
 heartbeat), so the neighbour whose message did not come is not blamed.
@@ -44,6 +44,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from datetime import timedelta
 
 from ..logs import get_logger
@@ -103,7 +104,7 @@ class FaultMonitor:
         self._waiting = False               # the call's thread is in a wait the failure must end
         self._groups_broken = False
         self._state_lock = threading.Lock()  # the watch thread learns a failure; start_new_job forgets it
-        self.job_groups: list = []          # process groups of this job's engines: a failure breaks these
+        self.job_owners: list = []          # weak references to this job's engines: a failure breaks their groups
         self.unrecoverable = None           # why no new job can start in this process (groups it cannot rebuild)
         self.ever_failed = False            # some job failed: groups with unmatched messages may remain
         self._stop = threading.Event()
@@ -202,11 +203,25 @@ class FaultMonitor:
                 _record_exit_codes()
 
     # ---- a new job after a caught failure -----------------------------------------------------
-    def register_groups(self, groups) -> None:
-        """Process groups an engine of this job uses: a failure breaks these (and, as a last
-        resort, every group: see :meth:`_break_groups`)."""
-        known = {id(group) for group in self.job_groups}
-        self.job_groups += [group for group in groups if group is not None and id(group) not in known]
+    def register(self, owner) -> None:
+        """An engine of this job: a failure breaks the process groups its ``fault_groups()`` lists
+        (and, as a last resort, every group: see :meth:`_break_groups`). Held weakly, and the
+        groups are asked for only then: a reference here would keep a destroyed group's threads
+        and sockets alive."""
+        self.job_owners.append(weakref.ref(owner))
+
+    def job_groups(self) -> list:
+        """The live process groups of this job's live engines."""
+        from torch.distributed import distributed_c10d as c10d
+        live, seen = set(c10d._world.pg_map), set()
+        out = []
+        for ref in list(self.job_owners):
+            owner = ref()
+            for group in (owner.fault_groups() if owner is not None else ()):
+                if group is not None and group in live and id(group) not in seen:
+                    seen.add(id(group))
+                    out.append(group)
+        return out
 
     def start_new_job(self) -> int:
         """Called where an engine is built; returns the job (epoch) the engine belongs to.
@@ -234,7 +249,7 @@ class FaultMonitor:
             self.epoch += 1
             self.failed, self._failed_at, self.failed_here = None, None, False
             self.delivered, self._groups_broken = False, False
-            self.job_groups = []
+            self.job_owners = []
         log.warning("ds_chimera: rank %d builds a new engine after the failure (%s): job %d starts on new "
                     "process groups", self.rank, self.line(record), self.epoch)
         return self.epoch
@@ -289,8 +304,9 @@ class FaultMonitor:
         did not register, the default group among them) is still going after
         ``BREAK_FALLBACK_S``: then every gloo group is broken, and no new job can start here."""
         from torch.distributed import distributed_c10d as c10d
-        log.debug("ds_chimera: rank %d breaks %d group(s) of the failed job", self.rank, len(self.job_groups))
-        self._break(list(self.job_groups))
+        groups = self.job_groups()
+        log.debug("ds_chimera: rank %d breaks %d group(s) of the failed job", self.rank, len(groups))
+        self._break(groups)
         deadline = time.monotonic() + BREAK_FALLBACK_S
         while self._waiting and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -624,7 +640,7 @@ def start_new_job(timeout_s: float | None = None) -> int | None:
     return found.start_new_job() if found is not None else None
 
 
-def register_groups(groups) -> None:
-    """:meth:`FaultMonitor.register_groups` of the process's monitor, if one runs."""
+def register(owner) -> None:
+    """:meth:`FaultMonitor.register` of the process's monitor, if one runs."""
     if _MONITOR is not None:
-        _MONITOR.register_groups(groups)
+        _MONITOR.register(owner)
