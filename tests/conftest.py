@@ -13,7 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pytest-xdist (--dist loadfile) hands files to its workers in collection order: the longest go first,
 # so the suite does not end with one worker running a long file alone while the other core idles.
 LONGEST_FIRST = ["test_runtime_deepspeed.py", "test_megatron.py", "test_hf_trainer.py", "test_ops_interpreter.py",
-                 "test_wavelet.py", "test_user_scripts.py", "test_chaos.py", "test_launcher.py"]
+                 "test_wavelet.py", "test_user_scripts.py", "test_chaos.py", "test_gpt_pipe.py", "test_launcher.py",
+                 "test_ops.py"]
 
 
 def pytest_collection_modifyitems(session, config, items):

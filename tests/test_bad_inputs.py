@@ -2,7 +2,7 @@
 with one file or key made bad. Each asserts: every rank raised (exit code not 0, no "no error"), every rank's
 output names the key or the file, every rank had ended 10 s after the first did, and no given file changed.
 
-CI runs two cases (a plan_file for another layout, a truncated layer file); ``make test-full`` runs them all,
+CI runs one case (a plan_file for another layout); ``make test-full`` runs them all,
 as ``benchmarks/RESULTS.md`` records.
 """
 import hashlib
@@ -51,7 +51,7 @@ CASES = {
     "ckpt-layout-truncated": ({"schedule": "1f1b"}, {}, "ds_chimera_layout.json", "truncated",
                               ["ds_chimera_layout.json", "t1", "load another tag"]),
 }
-CI = ["plan_file-other-layout", "ckpt-layer-truncated"]
+CI = ["plan_file-other-layout"]      # the damaged-checkpoint cases need a saving launch first: make test-full
 SELECTED = list(CASES) if tiers.FULL else CI
 
 

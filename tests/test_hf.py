@@ -563,3 +563,17 @@ def test_hfs_activation_checkpointing_becomes_a_checkpoint_of_every_pipeline_lay
                                  activation_checkpointing_kwargs=kwargs)
         with pytest.raises(ValueError, match="only as every_n_layers=1.*activation_checkpoint_interval=K"):
             checkpoint_interval(args, 0)
+
+
+def test_a_config_file_is_read_as_deepspeed_reads_it_a_key_given_twice_refused(tmp_path):
+    """One reader on every path (ds_chimera/config_reader.py): the HF Trainer's, like DeepSpeed's initialize."""
+    from ds_chimera.config_reader import read_config
+    from ds_chimera.hf.config import load_config
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 8, "pipeline": {"schedule": "chimera"}, "train_batch_size": 16}')
+    with pytest.raises(ValueError, match="TrainingArguments\\(deepspeed=...\\) .*ds.json.* cannot be used: .*Duplicate"):
+        load_config(str(path))
+    with pytest.raises(ValueError, match="Duplicate"):
+        read_config(str(path))
+    path.write_text('{train_batch_size: 8, pipeline: {schedule: "chimera"}}')        # HJSON, as DeepSpeed reads
+    assert load_config(str(path)) == {"train_batch_size": 8, "pipeline": {"schedule": "chimera"}}

@@ -407,3 +407,29 @@ def test_cli_simulates_sharded_programs():
                           "2", "--cost-gather", "0.3"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "gathers per step [7, 7]" in out.stdout and "weights held     [1.0, 1.0]" in out.stdout
+
+
+def test_no_two_modules_import_each_other():
+    """Import circles (at module level or inside functions) hide which module is the lower layer."""
+    import ast
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_chimera")
+    modules = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = os.path.relpath(path[:-3], os.path.dirname(root)).replace(os.sep, ".")
+                modules[dotted.removesuffix(".__init__")] = path
+    imports = {}
+    for module, path in modules.items():
+        package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
+        found = set()
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+                found |= {t for t in [target] + [f"{target}.{a.name}" for a in node.names] if t in modules}
+        imports[module] = found - {module}
+    circles = sorted((a, b) for a in imports for b in imports[a] if a < b and a in imports.get(b, ()) and
+                     not b.startswith(a + "."))        # a package importing its own submodule is not a circle
+    assert not circles, circles

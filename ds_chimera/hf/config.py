@@ -18,11 +18,12 @@ Everything here runs in the Trainer's constructor, before any model or data work
 from __future__ import annotations
 
 import copy
-import json
 import os
 from dataclasses import dataclass
 
 from ..config import PipelineConfig
+from ..config_reader import read_config
+from ..named_files import read_named_file
 
 AUTO = "auto"
 
@@ -65,13 +66,9 @@ def load_config(value) -> dict:
     if isinstance(value, dict):
         return copy.deepcopy(value)
     if isinstance(value, (str, os.PathLike)) and os.path.isfile(value):
-        with open(value) as fh:
-            text = fh.read()
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError:
-            import hjson     # DeepSpeed's own config reader; a dependency of deepspeed
-            return dict(hjson.loads(text))
+        # as DeepSpeed reads it (JSON or HJSON, a key given twice refused), and as the DeepSpeed path does
+        return read_named_file("TrainingArguments(deepspeed=...)", value, read_config,
+                               "pass a DeepSpeed config file that DeepSpeed itself can read")
     raise ValueError(f"TrainingArguments(deepspeed=...) must be a DeepSpeed config dict or the path of a JSON "
                      f"file with a \"pipeline\": {{\"schedule\": ...}} section; got {value!r}")
 

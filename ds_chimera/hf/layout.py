@@ -42,10 +42,6 @@ class Layout:
     rotary: tuple | None    # recipe of the rotary embedding each block recomputes, or None
     dropout: float          # dropout after the embedding (GPT-2's embd_pdrop)
 
-    def index_of(self, kind: str) -> int:
-        return next(i for i, layer in enumerate(self.layers) if layer.kind == kind)
-
-
 def _recipe(module: nn.Module, what: str, model_class: str) -> tuple:
     """(class, args, kwargs) that rebuilds ``module`` with fresh weights of the same shapes."""
     if type(module) is nn.Embedding:

@@ -8,9 +8,10 @@ model that is not a ``PipelineModule``, DeepSpeed's own function runs untouched.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
+
+from ..config_reader import read_config
 
 _PATCH_LOCK = threading.Lock()
 _ORIGINAL = {}
@@ -26,16 +27,8 @@ def _load_config(args, config, config_params):
                 config = path
                 break
     if isinstance(config, (str, os.PathLike)):
-        try:   # DeepSpeed's own reader: JSON, HJSON or base64
-            from deepspeed.runtime.config import DeepSpeedConfig  # noqa: F401
-            from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
-            import hjson
-            if os.path.exists(config):
-                with open(config) as fh:
-                    config = hjson.load(fh, object_pairs_hook=dict_raise_error_on_duplicate_keys)
-            else:
-                import base64
-                config = json.loads(base64.urlsafe_b64decode(config).decode("utf-8"))
+        try:   # as DeepSpeed reads it: JSON, HJSON or base64, a key given twice refused
+            config = read_config(config)
         except Exception:
             return None   # not ours to judge: DeepSpeed's initialize reports it
     return config

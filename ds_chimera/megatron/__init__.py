@@ -12,7 +12,7 @@
 from .checkpoint import load_checkpoint, save_checkpoint, sharded_state_dict
 from .cpu import causal_mask, enable_cpu
 from .install import install, uninstall
-from .runner import get_forward_backward_func
+from .contract import get_forward_backward_func
 from .stages import build_model_chunks, virtual_stages
 
 __all__ = ["get_forward_backward_func", "build_model_chunks", "install", "uninstall", "enable_cpu", "causal_mask",

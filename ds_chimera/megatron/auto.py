@@ -35,6 +35,7 @@ from ..schedules import registry
 from ..schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, activation_peaks
 from .chunk_checks import check_split_backward
 from .model_chunk import model_config, unwrap
+from .runner import ScheduleRunner
 from .stages import call_pipeline_group, chunks_device
 
 log = get_logger()
@@ -100,7 +101,6 @@ class AutoRunner:
     """Megatron's forward-backward contract under ``"auto"``: profile the first training call, then plan."""
 
     def __init__(self, config: PipelineConfig):
-        from .runner import ScheduleRunner
         self.config = config
         self.options = dict(config.options)
         self._runner_class = ScheduleRunner

@@ -17,7 +17,7 @@ import sys
 
 from ..config import PipelineConfig
 from .choice import ENV_SCHEDULE, chosen_schedule, record_installed, virtual_pipeline_size
-from .runner import forward_backward_func_for
+from .contract import forward_backward_func_for
 
 _STATE: dict = {}
 

@@ -184,7 +184,7 @@ def _broadcast_replicas(chunks: list, placement, rank: int, group) -> None:
         holders = sorted(placement.stage_group(stage))
         if rank not in holders:
             continue
-        src = holders[0]
+        src = placement.stage_owner(stage)
         for p in mine[stage].state_dict(keep_vars=True).values():
             if not isinstance(p, torch.Tensor):
                 continue

@@ -376,10 +376,6 @@ def limits_problem(launch: Launch, shared: int) -> str | None:
     return None
 
 
-def digest(items) -> str:
-    return hashlib.sha1(json.dumps(sorted(map(str, items))).encode()).hexdigest()[:12]
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-kernel", type=int, default=130)

@@ -321,9 +321,3 @@ def _over_budget(cand: Candidate, budget: Budget) -> str | None:
         return (f"needs {_fmt_bytes(worst.total)} on a rank (model states {_fmt_bytes(worst.model_states)}, "
                 f"activations {_fmt_bytes(worst.activations)}), over the {_fmt_bytes(budget.memory_bytes)} budget")
     return None
-
-
-def one_f_one_b_activations(setting: Setting) -> int:
-    """1F1B's peak micro-batches of activations: Chimera's ``auto`` default budget, the planner's tight one."""
-    return min(setting.stages, setting.micro_batches)
-

@@ -43,7 +43,7 @@ def owned_layers(engine) -> dict:
         return {}
     placement, rank = engine.placement, engine.pipe_rank
     return {idx: obj for idx, (stage, obj) in sorted(layer_objects(engine).items())
-            if min(placement.stage_group(stage)) == rank and hasattr(obj, "state_dict")}
+            if placement.stage_owner(stage) == rank and hasattr(obj, "state_dict")}
 
 
 def save_layers(engine, path: str, exclude_frozen_parameters: bool = False) -> None:

@@ -114,6 +114,16 @@ class ChunkModule(nn.Module):
         return x
 
 
+def tied_holders(specs: list, placement, parts: list) -> dict:
+    """Tied key -> the pipeline ranks holding a layer of it under ``placement`` cut at ``parts``."""
+    holders: dict = {}
+    for chunk in placement.chunks:
+        for idx in range(parts[chunk.stage], parts[chunk.stage + 1]):
+            if isinstance(specs[idx], TiedLayerSpec):
+                holders.setdefault(specs[idx].key, set()).add(chunk.rank)
+    return holders
+
+
 def has_parameters(funcs) -> bool:
     """DeepSpeed's default test of a block for checkpointing: some module in it has parameters."""
     return any(any(True for _ in f.parameters()) for f in funcs if isinstance(f, nn.Module))

@@ -317,9 +317,6 @@ class ScheduledPipelineEngine(PipelineEngine):
                                z3_params_to_fetch=None, allowed_missing_keys=None):
         ckpt.load_layers(self, self._curr_ckpt_path, strict)
 
-    def _layout(self) -> dict:
-        return ckpt.layout(self)
-
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None, **kwargs):
         """DeepSpeed's load, refusing optimizer state saved under another layout (it would be misread)."""

@@ -73,6 +73,10 @@ class JobFailed(RuntimeError):
     """Another rank failed (or this job already did): this rank's call stops too. Catchable."""
 
 
+class PeerTimeout(RuntimeError):
+    """A peer did not deliver within the configured time: it died or is stuck (a bounded wait expired)."""
+
+
 def _process_state(pid: int) -> str | None:
     """'gone', 'stopped', 'zombie' or 'running' for a pid on this host (None where /proc is missing)."""
     try:
@@ -338,7 +342,6 @@ class FaultMonitor:
         log.debug("ds_chimera: rank %d closed its process groups' connections to end a wait", self.rank)
 
     def _report(self, exc: BaseException, what: str) -> dict:
-        from .p2p import PeerTimeout
         # the failure this rank already learned first: the store's host may have ended since, having published it
         known = self.failed if self.failed is not None else self._safe_failure()
         if known is not None:

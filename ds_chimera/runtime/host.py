@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.actions import split_chunks
+from .chunks import tied_holders
 from .clipping import grad_norm, scale_to
 from .gradsync import FlatGradAllReduce
 from .groups import PipelineGroups
@@ -28,7 +29,6 @@ class PipelineHost:
     """The context the executor runs one rank's program on (see the module docstring)."""
 
     def __init__(self, engine):
-        from deepspeed.runtime.pipe.module import TiedLayerSpec
         self.engine = engine
         plan = engine.plan
         self.plan, self.placement = plan, plan.placement
@@ -42,12 +42,7 @@ class PipelineHost:
         self.tied_modules = engine.module.ds_chimera_tied
         self.stage_chunk = {chunk.stage: c for c, chunk in self.chunk_modules.items()}
         self.split_chunks = split_chunks(plan.schedule.orders[self.pipe_rank])
-        specs = engine.module._layer_specs
-        holders: dict = {}
-        for chunk in self.placement.chunks:
-            for i in range(plan.parts[chunk.stage], plan.parts[chunk.stage + 1]):
-                if isinstance(specs[i], TiedLayerSpec):
-                    holders.setdefault(specs[i].key, set()).add(chunk.rank)
+        holders = tied_holders(engine.module._layer_specs, self.placement, plan.parts)
         self.tied_owner = {key: min(ranks) for key, ranks in holders.items()}
         grid = engine.grid
         pipelines = [[grid.stage_to_global(p, data=d) for p in range(self.placement.num_ranks)]
@@ -143,7 +138,7 @@ class PipelineHost:
         """Parameters this rank counts in the global norm: each stage and tied module once."""
         owned = []
         for chunk in self.chunk_modules.values():
-            if min(self.placement.stage_group(chunk.stage)) == self.pipe_rank:
+            if self.placement.stage_owner(chunk.stage) == self.pipe_rank:
                 owned += [p for p in chunk.parameters() if p.requires_grad]
         for key, module in self.tied_modules.items():
             if self.tied_owner[key] == self.pipe_rank:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import faults
+from .faults import PeerTimeout
 from .tensors import as_tuple
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -30,10 +31,6 @@ MAX_DIMS = 8
 
 PENDING_PER_CHUNK = 4      # sends kept in flight per pipeline chunk before the oldest is waited for
 LOSS_TAG = 1 << 28         # losses sent between ranks after a step: above every pipeline message tag
-
-
-class PeerTimeout(RuntimeError):
-    """A peer did not deliver within the configured time: it died or is stuck."""
 
 
 def wait_or_fail(work, timeout_s: float, what: str, source: str = "ds_chimera", peer: str = "the peer rank") -> None:

@@ -158,13 +158,8 @@ def _check_async_setup(module, plan, config: PipelineConfig, zero: int) -> None:
 
 def _refuse_cross_rank_ties(module, plan) -> None:
     """ZeRO-1 computes its clipping norm per rank: a weight tied across ranks would count twice."""
-    from deepspeed.runtime.pipe.module import TiedLayerSpec
-    holders = {}
-    for chunk in plan.placement.chunks:
-        for idx in range(plan.parts[chunk.stage], plan.parts[chunk.stage + 1]):
-            spec = module._layer_specs[idx]
-            if isinstance(spec, TiedLayerSpec):
-                holders.setdefault(spec.key, set()).add(chunk.rank)
+    from .chunks import tied_holders
+    holders = tied_holders(module._layer_specs, plan.placement, plan.parts)
     shared = sorted(key for key, ranks in holders.items() if len(ranks) > 1)
     if shared:
         raise ValueError(f"ZeRO stage 1 with weights tied across pipeline ranks ({', '.join(shared)}) is not "

@@ -82,6 +82,11 @@ class Placement:
         """Ranks holding a replica of ``stage``: they all-reduce its gradients."""
         return tuple(sorted({ranks[stage] for ranks in self.stage_ranks}))
 
+    def stage_owner(self, stage: int) -> int:
+        """The one rank that speaks for ``stage`` among its replicas: it counts the stage in the
+        gradient norm, writes its layers to checkpoints and sends its weights to the others."""
+        return self.stage_group(stage)[0]
+
     def replicated_stages(self) -> list:
         """The stages held by more than one rank (Chimera's replicas), whose gradients are all-reduced."""
         return [s for s in range(self.num_stages) if len(self.stage_group(s)) > 1]

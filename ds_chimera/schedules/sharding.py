@@ -85,9 +85,7 @@ def shard(program: Program, zero: int, reshard_after_forward: bool = True) -> Pr
             out.extend(after.get(i, ()))
         out.extend(before.get(len(rank_ops), ()))
         ops.append(out)
-    sharded = Program(f"{program.name}+zero{zero}", program.placement, ops, program.synchronous, program.weights)
-    sharded.zero = zero
-    return sharded
+    return Program(f"{program.name}+zero{zero}", program.placement, ops, program.synchronous, program.weights)
 
 
 def _grad_waits(rank_ops: list) -> list:

@@ -238,9 +238,3 @@ def fastest_list_schedule(placement: Placement, limits: list, name: str, late_ch
         raise RuntimeError(f"{name}: no list-scheduling variant completed for {placement.num_ranks} ranks, "
                            f"{placement.num_micro_batches} micro-batches")
     return best[1]
-
-
-def with_full_backward(orders: list) -> list:
-    """Fuse each I with its W into one B at the I's position (for schedules without a split)."""
-    return [[Action(BACKWARD, a.chunk, a.mb) if a.kind == INPUT_GRAD else a
-             for a in order if a.kind != WEIGHT_GRAD] for order in orders]

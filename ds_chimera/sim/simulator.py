@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from ..schedules.actions import (BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, Action, ClipGrads, ClipScope,
                                  CommBatch, Gather, GradSync, OptimizerStep, Release, SyncWait)
-from ..schedules.costs import UNIT_COSTS, Costs, StageCosts  # noqa: F401  (Costs is part of the simulator's API)
+from ..schedules.costs import Costs, StageCosts
 from ..schedules.lowering import Program, gc_paused
 
 
@@ -64,10 +64,6 @@ class SimResult:
             **({"gathers": self.gathers, "peak_gathered": [round(g, 9) for g in self.peak_gathered]}
                if self.gathers else {}),
         }
-
-    def start_times(self) -> dict:
-        """(kind, chunk, mb) -> start time, for schedules built by merging timed pieces."""
-        return {(k, c, m): s for (_, k, c, m, s, _) in self.records}
 
 
 def simulate(program: Program, costs: Costs = Costs(), chunks_per_rank: int = 1,

@@ -26,7 +26,7 @@ import uuid
 import torch
 
 from ..runtime import faults
-from ..runtime.p2p import PeerTimeout
+from ..runtime.faults import PeerTimeout
 
 POLL_S = 0.0005
 # a task's board: its pid, the count of steps it opened, the latest one's start (seconds since the
