@@ -245,7 +245,10 @@ def megatron_contract_step(name, options, n, specs, world, rank, data):
     chunks = []
     for c in placement.chunks_on(rank):
         stage = placement.chunks[c].stage
-        chunks.append(TimedChunk(stage_layers(specs, stage, placement.num_stages), stage))
+        chunk = TimedChunk(stage_layers(specs, stage, placement.num_stages), stage)
+        # the tags build_model_chunks puts on the chunks it builds (these are not a Megatron provider's)
+        chunk._ds_chimera_stage, chunk._ds_chimera_built_for = stage, (name, dict(options))
+        chunks.append(chunk)
     opt = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=1e-3)
     batch = data(n)
     mse = nn.MSELoss()
