@@ -13,6 +13,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def remove_deepspeed_shm() -> None:
+    """Remove the ~70 MB /dev/shm buffers DeepSpeed's CPU accelerator leaves after each launch."""
+    for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else ():
+        if name.startswith("deepspeed_allreduce_buffer_"):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
+
+
 def run_ranks(args: list, world: int, env: dict, timeout_s: float) -> tuple:
     """Run ``python ARGS`` as ranks 0..world-1 of one gloo group, without torchrun.
 

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import tiers
-from netutil import free_port
+from netutil import free_port, remove_deepspeed_shm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "distributed", "bad_input_worker.py")
@@ -86,12 +86,7 @@ def _launch(args: list, out: str, phase: str, extra: dict, limit_s: float = 240.
             text = fh.read()
         code, when = ends.get(rank, (None, None))
         results.append((code, when, text))
-    for name in os.listdir("/dev/shm"):
-        if name.startswith("deepspeed_allreduce_buffer_"):
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except OSError:
-                pass
+    remove_deepspeed_shm()
     return results
 
 

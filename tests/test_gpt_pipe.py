@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from netutil import free_port
+from netutil import free_port, remove_deepspeed_shm
 from tiers import FULL
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,12 +36,7 @@ def results(tmp_path_factory):
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     finally:
-        for name in os.listdir("/dev/shm"):
-            if name.startswith("deepspeed_allreduce_buffer_"):
-                try:
-                    os.unlink(os.path.join("/dev/shm", name))
-                except OSError:
-                    pass
+        remove_deepspeed_shm()
     files = [Path(f"{out}.rank{rank}") for rank in range(4)]
     if proc.returncode != 0 or not all(f.exists() for f in files):
         pytest.fail(f"worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

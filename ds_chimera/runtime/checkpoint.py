@@ -144,6 +144,11 @@ def layout(engine) -> dict:
 OPTIONS = "options"      # in the layout file, not compared: stage_ranks and parts say where the state lives
 
 
+def placement_of(found: dict) -> dict:
+    """A layout without the schedule's options: what decides where the optimizer state lives."""
+    return {k: v for k, v in found.items() if k != OPTIONS}
+
+
 def _json_safe(value) -> bool:
     import json
     try:
@@ -197,9 +202,7 @@ def saved_layout(load_dir: str, tag):
 def check_layout(engine, saved: dict | None, load_dir: str, tag) -> None:
     """Refuse optimizer state saved by ds_chimera under another layout (``saved``, from :func:`saved_layout`: it
     would be misread); a stock checkpoint's is mapped by :func:`stock_optimizer_state` instead."""
-    def compared(found: dict) -> dict:
-        return {k: v for k, v in found.items() if k != OPTIONS}
-    if saved is None or compared(saved) == compared(layout(engine)):
+    if saved is None or placement_of(saved) == placement_of(layout(engine)):
         return
     raise ValueError(f"checkpoint {load_dir}/{tag} was written under {saved}; this engine is "
                      f"{layout(engine)}: its optimizer state does not map onto these chunks. Load the weights "

@@ -331,7 +331,7 @@ class ScheduledPipelineEngine(PipelineEngine):
             # "auto" not planned yet: the run goes on under the plan the checkpoint was written under
             self._deferred_plan.adopt(self, saved, f"{load_dir}/{tag}")
             rebuilt = ckpt.layout(self)
-            if ckpt.OPTIONS not in saved and {k: v for k, v in rebuilt.items() if k != ckpt.OPTIONS} != saved:
+            if ckpt.OPTIONS not in saved and ckpt.placement_of(rebuilt) != saved:
                 raise ValueError(f"checkpoint {load_dir}/{tag} was written under {saved} by a ds_chimera that did "
                                  f"not record the schedule's options, and {saved['schedule']!r} with its defaults "
                                  f"is {rebuilt}: name that schedule and its options in the \"pipeline\" section "

@@ -49,6 +49,8 @@ from datetime import timedelta
 
 from ..logs import get_logger
 from .bounded_store import BoundedStore, StoreUnresponsive
+from .exit_codes import flush_and_exit, record_exit_codes, requested_exit_code
+from .groups import close_gloo_connections
 from .teardown import destroy_groups_at_exit
 
 log = get_logger()
@@ -60,7 +62,6 @@ HOST_GRACE_S = 3.0        # the store's host waits this long, at most, for the o
 EXIT_CODE = 1
 ENV_DISABLE = "DS_CHIMERA_FAULT_MONITOR"      # "0": no monitor (every wait is still bounded)
 PREFIX = "ds_chimera/faults/"
-BREAK_TAG = (1 << 30) + 1  # the receive no one sends, whose timed-out wait closes a group's connections
 IDLE = "user code between ds_chimera calls"
 BREAK_FALLBACK_S = 1.0    # a wait the failed engines' groups did not end: every gloo group is broken after this
 RESTART = "restart the processes (the latest complete checkpoint resumes exactly)"
@@ -204,7 +205,7 @@ class FaultMonitor:
                 self._failed_at = time.monotonic()
                 self.failed = record
                 self.ever_failed = True
-                _record_exit_codes()
+                record_exit_codes()
 
     # ---- a new job after a caught failure -----------------------------------------------------
     def register(self, owner) -> None:
@@ -310,7 +311,7 @@ class FaultMonitor:
         from torch.distributed import distributed_c10d as c10d
         groups = self.job_groups()
         log.debug("ds_chimera: rank %d breaks %d group(s) of the failed job", self.rank, len(groups))
-        self._break(groups)
+        close_gloo_connections(groups)
         deadline = time.monotonic() + BREAK_FALLBACK_S
         while self._waiting and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -319,26 +320,7 @@ class FaultMonitor:
             self.unrecoverable = ("this rank was waiting in a process group that is not the failed engine's "
                                   "own (the default group, or one DeepSpeed or Megatron keeps), which had to "
                                   "be broken to end the wait")
-            self._break(list(c10d._world.pg_map))
-
-    def _break(self, groups: list) -> None:
-        """Close every connection of each gloo group: a receive from a peer that times out closes
-        them all. A peer that broke its side first makes that receive fail at once instead, which
-        closes nothing else: then the next peer is tried."""
-        import torch
-        import torch.distributed as dist
-        me = dist.get_rank() if dist.is_initialized() else self.rank
-        for group in groups:
-            with contextlib.suppress(Exception):
-                if "gloo" not in str(dist.get_backend(group)):
-                    continue
-                for peer in (r for r in dist.get_process_group_ranks(group) if r != me):
-                    try:
-                        work = dist.irecv(torch.empty(1), src=peer, group=group, tag=BREAK_TAG)
-                        work.wait(timedelta(milliseconds=1))
-                    except Exception as exc:
-                        if "Timed out" in str(exc):
-                            break
+            close_gloo_connections(list(c10d._world.pg_map))
         log.debug("ds_chimera: rank %d closed its process groups' connections to end a wait", self.rank)
 
     def _report(self, exc: BaseException, what: str) -> dict:
@@ -404,7 +386,7 @@ class FaultMonitor:
                     others = [r for r in others if not self.store.check([f"exiting/{r}"])
                               and not self.store.check([f"done/{r}"]) and self._alive(r)]
                 time.sleep(0.05)
-        _flush_and_exit(message, code)
+        flush_and_exit(message, code)
 
     def _alive(self, r: int) -> bool:
         host, pid = self._peer(r)
@@ -527,7 +509,7 @@ class FaultMonitor:
         if self._stop.is_set():
             return
         if self.ever_failed:
-            self.exit("", _requested_exit_code())
+            self.exit("", requested_exit_code())
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(BEAT_S + getattr(self.store, "deadline_s", 0.0))
@@ -536,33 +518,6 @@ class FaultMonitor:
         closer = getattr(self.store, "close", None)
         if closer is not None:
             closer()
-
-
-_EXIT_CODE = {"code": 0}
-
-
-def _record_exit_codes() -> None:
-    """Remember the code a later ``sys.exit(code)`` asks for: :meth:`FaultMonitor.close` must end a
-    failed job's process itself (see there) and should end it with the script's own code."""
-    if getattr(sys.exit, "_ds_chimera", False):
-        return
-    original = sys.exit
-
-    def exit_recording(code=None):
-        _EXIT_CODE["code"] = code
-        original(code)
-    exit_recording._ds_chimera = True
-    sys.exit = exit_recording
-
-
-def _requested_exit_code() -> int:
-    code = _EXIT_CODE["code"]
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    sys.stderr.write(f"{code}\n")          # sys.exit("message"): printed, status 1, as Python does
-    return 1
 
 
 def dist_backend() -> str:
@@ -581,16 +536,6 @@ def _is_comm_error(exc: BaseException) -> bool:
     text = str(exc)
     return any(marker in text for marker in ("Connection closed", "Connection reset", "Broken pipe",
                                              "Timed out waiting", "gloo"))
-
-
-def _flush_and_exit(message: str, code: int = EXIT_CODE) -> None:
-    try:
-        sys.stdout.flush()
-        if message:
-            sys.stderr.write(message + "\n")
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
 
 
 _MONITOR: FaultMonitor | None = None

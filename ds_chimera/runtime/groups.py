@@ -94,3 +94,28 @@ def process_groups_in(*owners) -> list:
             items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
             found += [item for item in items if isinstance(item, dist.ProcessGroup)]
     return found
+
+
+BREAK_TAG = (1 << 30) + 1  # the receive no one sends, whose timed-out wait closes a group's connections
+
+
+def close_gloo_connections(groups: list) -> None:
+    """Close every connection of each gloo group, which ends every wait on it with an error (the
+    fault monitor's way to end a wait after a failure: gloo cannot cancel one). A receive from a
+    peer that times out closes them all; a peer that broke its side first makes that receive fail at
+    once instead, which closes nothing else: then the next peer is tried."""
+    import contextlib
+
+    import torch
+    me = dist.get_rank()
+    for group in groups:
+        with contextlib.suppress(Exception):
+            if "gloo" not in str(dist.get_backend(group)):
+                continue
+            for peer in (r for r in dist.get_process_group_ranks(group) if r != me):
+                try:
+                    work = dist.irecv(torch.empty(1), src=peer, group=group, tag=BREAK_TAG)
+                    work.wait(timedelta(milliseconds=1))
+                except Exception as exc:
+                    if "Timed out" in str(exc):
+                        break
