@@ -40,3 +40,43 @@ def test_a_normal_exit_leaves_no_process_group(tmp_path, monitor):
         assert code == 0, (rank, err[-2000:])
         with open(f"{out}.{rank}") as fh:
             assert json.load(fh) == {"initialized": False}, rank
+
+
+SEND_SCRIPT = r"""
+import gc, os, sys, time
+import torch, torch.distributed as dist
+from datetime import timedelta
+from ds_chimera.runtime import p2p, teardown
+dist.init_process_group("gloo")
+teardown.destroy_groups_at_exit()
+group = dist.new_group([0, 1])
+if dist.get_rank() == 0:
+    value = torch.full((1,), 7.0)
+    work = dist.isend(value, 1, group=group, tag=3)
+    if sys.argv[1] == "held":
+        p2p.hold_until_sent(work, value)
+    del work, value
+    gc.collect()
+    # and exits at once: the receiver posts its receive a second later
+else:
+    time.sleep(1.0)
+    value = torch.zeros(1)
+    try:       # the sender has exited: posting may fail already (a closed connection), or the wait
+        dist.irecv(value, 0, group=group, tag=3).wait(timedelta(seconds=3))
+        print("RECEIVED", value.item(), flush=True)
+    except Exception as exc:
+        print("LOST", type(exc).__name__, flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["held", "dropped"])
+def test_a_held_send_outlives_its_poster_and_the_exit(tmp_path, how):
+    """gloo cancels a send whose Work is dropped (the 'dropped' case shows it still does, so the other
+    case means something); a held one arrives even when its rank drops it and exits before the receive."""
+    script = tmp_path / "send.py"
+    script.write_text(SEND_SCRIPT)
+    results, _ = run_ranks([str(script), how], 2, {"OMP_NUM_THREADS": "1", "DS_CHIMERA_FAULT_MONITOR": "0"},
+                           timeout_s=120)
+    receiver = results[1][1]
+    assert ("RECEIVED 7.0" in receiver) == (how == "held"), (receiver, results[1][2][-2000:])
+    assert ("LOST" in receiver) == (how == "dropped"), receiver

@@ -31,7 +31,7 @@ from . import checkpoint as ckpt
 from .clipping import clip_by_norm
 from .engine import ScheduledPipelineEngine, log
 from .host import PipelineHost
-from .p2p import LOSS_TAG, post_or_fail, wait_or_fail
+from .p2p import LOSS_TAG, hold_until_sent, post_or_fail, wait_or_fail
 
 
 class AsyncPipelineHost(PipelineHost):
@@ -232,6 +232,8 @@ class AsyncPipelineEngine(ScheduledPipelineEngine):
                                                                      group=self.host.groups.job, tag=LOSS_TAG),
                                               "the loss send"), value)
                                 for p in range(last)]
+            for work, sent in self._loss_sends:     # the engine may be dropped before they arrive
+                hold_until_sent(work, sent)
         else:
             source = self.grid.stage_to_global(last, data=self.grid.get_data_parallel_id())
             wait_or_fail(lambda: dist.irecv(value, source, group=self.host.groups.job, tag=LOSS_TAG), timeout,

@@ -57,6 +57,30 @@ def wait_or_fail(work, timeout_s: float, what: str, source: str = "ds_chimera", 
                           f"(timeout {timeout_s:g}s): {peer} died or is stuck. Cause: {exc}") from exc
 
 
+# A gloo send whose Work object is dropped is cancelled: its receiver then waits until its timeout
+# (measured here with two ranks: the message is lost). Sends that may outlive the object that posted
+# them (the asynchronous engine's loss, sent without a barrier at the end of a call) are held here
+# until they complete; teardown waits for them before it destroys the groups.
+_HELD_SENDS: list = []
+
+
+def hold_until_sent(work, tensor) -> None:
+    """Keep ``work`` (and the ``tensor`` it sends) alive until the send completes, whoever drops it."""
+    _HELD_SENDS[:] = [(w, t) for w, t in _HELD_SENDS if not w.is_completed()]
+    _HELD_SENDS.append((work, tensor))
+
+
+def finish_held_sends(timeout_s: float) -> None:
+    """Wait (bounded) for every held send; one that cannot complete is dropped after the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while _HELD_SENDS:
+        work, _ = _HELD_SENDS.pop(0)
+        try:
+            work.wait(timedelta(seconds=max(0.1, deadline - time.monotonic())))
+        except Exception:     # a dead peer: nothing left to deliver to
+            pass
+
+
 def post_or_fail(post, what: str, source: str = "ds_chimera", peer: str = "the peer rank"):
     """Post a non-blocking operation; a dead peer at posting time becomes the same clear error."""
     try:

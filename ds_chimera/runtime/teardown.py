@@ -9,6 +9,8 @@ the run's failure, so ds_chimera destroys the groups itself at a normal exit. (T
 monitor's own threads are the other cause of such aborts; its exit handler, which runs
 before this one, stops them: see ``FaultMonitor.close``.)
 
+Sends still on their way (held by ``p2p.hold_until_sent``) are waited for first, within
+``TIMEOUT_S``: destroying their group would cancel them, and their receiver would time out.
 An abnormal end does not come here: the fault monitor ends the process with ``os._exit``.
 Destroying a group whose collective never completes would wait for it, so the destroy runs
 on a helper thread and exit goes on after ``TIMEOUT_S``.
@@ -36,6 +38,8 @@ def _destroy_groups() -> None:
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return
+    from .p2p import finish_held_sends
+    finish_held_sends(TIMEOUT_S)     # a send still on its way would be cancelled by the destroy
     try:
         helper = threading.Thread(target=dist.destroy_process_group, name="ds_chimera-teardown", daemon=True)
         helper.start()

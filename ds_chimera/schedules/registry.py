@@ -6,6 +6,8 @@ through the ``ds_chimera.schedules`` entry-point group, in its setup:
 """
 from __future__ import annotations
 
+import functools
+import sys
 from importlib import metadata
 
 from ..logs import get_logger
@@ -39,7 +41,17 @@ def register(cls: type) -> type:
 
 def available() -> dict:
     """name -> Schedule class: built-ins, entry-point plugins, then in-process registrations."""
+    found = {**_builtin(), **_plugins(tuple(sys.path))}
+    found.update(_extra)
+    return found
+
+
+@functools.lru_cache(maxsize=4)
+def _plugins(search_path: tuple) -> dict:
+    """The entry-point schedules importable from ``search_path``: scanned once per path (reading every
+    installed package's metadata costs milliseconds, and every config parse asks)."""
     found = _builtin()
+    plugins = {}
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         if ep.name in found and ep.value.startswith("ds_chimera."):
             continue
@@ -51,9 +63,8 @@ def available() -> dict:
         if not (isinstance(cls, type) and issubclass(cls, Schedule)):
             log.warning("schedule plugin %r (%s) is not a ds_chimera Schedule subclass", ep.name, ep.value)
             continue
-        found[ep.name] = cls
-    found.update(_extra)
-    return found
+        plugins[ep.name] = cls
+    return plugins
 
 
 def get(name: str, synchronous_only: bool = False) -> type:
