@@ -165,7 +165,7 @@ def worker(args):
                 row.update(predicted_s=cand.step_s, predicted_peak_bytes=cand.peak_bytes,
                            section={"schedule": cand.schedule, **cand.options, "parts": cand.parts})
             if label_text.startswith("auto"):
-                auto = engine.module._ds_chimera_auto
+                auto = engine.auto_decision
                 row.update(predicted_s=auto["step_s"], predicted_peak_bytes=auto["peak_bytes"],
                            section=auto["pipeline"])
             rows.append(row)

@@ -84,6 +84,8 @@ class PipelineConfig:
     clip: float = 0.0                               # global gradient-norm clipping; 0 is off
     precision: str = "fp32"                         # "fp32" or "bf16"
     batch: BatchSizes = BatchSizes()
+    # "schedule": "auto": the planner's choice with its predicted step and peak memory (reports; not compared)
+    planned_by: Mapping | None = field(default=None, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
@@ -119,13 +121,14 @@ class PipelineConfig:
         """``"schedule": "auto"``: the planner picks the schedule, options and cut before anything is built."""
         return self.schedule == AUTO
 
-    def with_plan(self, section: dict) -> "PipelineConfig":
-        """This configuration with the planner's choice (a ``"pipeline"`` section: schedule, options, parts)."""
+    def with_plan(self, section: dict, decision: Mapping | None = None) -> "PipelineConfig":
+        """This configuration with the planner's choice (a ``"pipeline"`` section: schedule, options, parts);
+        ``decision``: how the planner came to it (kept as ``planned_by``, for reports)."""
         from .schedules import registry
         name = section["schedule"]
         options = {k: v for k, v in section.items() if k not in ("schedule", "parts")}
         registry.checked(name, options)
-        return replace(self, schedule=name, options=options, parts=_parts(section["parts"]))
+        return replace(self, schedule=name, options=options, parts=_parts(section["parts"]), planned_by=decision)
 
     def schedule_class(self):
         from .schedules import registry

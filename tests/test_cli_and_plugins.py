@@ -4,6 +4,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from ds_chimera import cli
 from ds_chimera.schedules import available, build
 from ds_chimera.sim import simulate
@@ -125,3 +127,29 @@ def test_third_party_schedule_registers_through_entry_points(tmp_path, monkeypat
     proc = subprocess.run([sys.executable, "-m", "ds_chimera.cli", "schedules"], capture_output=True, text=True,
                           env={"PYTHONPATH": str(tmp_path), "PATH": ""})
     assert "reverse-1f1b" in proc.stdout and "[myplugin]" in proc.stdout
+
+
+def test_an_asynchronous_plugin_must_state_the_asynchronous_contract():
+    """synchronous = False promises what the asynchronous engine calls (update_interval, versions, ...):
+    a class that says so without AsynchronousSchedule is refused by name, and one that subclasses it
+    without those methods cannot be built."""
+    from ds_chimera.schedules import registry
+    from ds_chimera.schedules.asynchronous import PipeDream
+    from ds_chimera.schedules.base import AsynchronousSchedule, Schedule
+
+    class Loose(Schedule):
+        name, synchronous = "loose-async", False
+    with pytest.raises(ValueError, match="does not subclass ds_chimera.schedules.base.AsynchronousSchedule"):
+        registry.register(Loose)
+
+    class Partial(AsynchronousSchedule):
+        name = "partial-async"
+
+        def build_placement(self):
+            return PipeDream(4, 8).placement
+
+        def build_orders(self):
+            return PipeDream(4, 8).orders
+    with pytest.raises(TypeError, match="abstract"):
+        Partial(4, 8)
+    assert issubclass(PipeDream, AsynchronousSchedule) and PipeDream(4, 8).update_interval() == 1

@@ -139,10 +139,10 @@ def checked_make_plan(config, *args):
     assert isinstance(config, cfgmod.PipelineConfig), type(config)
     calls.append("make_plan")
     return make_plan(config, *args)
-def checked_prepare(module, config, params, *rest):
+def checked_prepare(module, config, *rest):
     assert isinstance(config, cfgmod.PipelineConfig), type(config)
     calls.append("prepare_module")
-    return prepare(module, config, params, *rest)
+    return prepare(module, config, *rest)
 setupmod.make_plan, setupmod.prepare_module = checked_make_plan, checked_prepare
 
 deepspeed.init_distributed(dist_backend="gloo")

@@ -15,6 +15,7 @@ CONFIGS = sorted(name[:-5] for name in os.listdir(CONFIG_DIR) if name.endswith("
 if not FULL:     # CI: one per engine family (every schedule's equivalence is tested either way)
     CONFIGS = [name for name in CONFIGS if name in ("chimera", "zbv", "pipeoptim")]
 MONITORED = ["1f1b", "chimera", "zbv"]
+LM = ["lm-zbv"] + (["lm-chimera"] if FULL else [])      # CI: one DynamicConv LM run (its layers in any schedule)
 PARAM_GROUPS = [("param-groups", f"{s}/groups") for s in ("1f1b", "chimera", "interleaved", "zbv")] + [
     ("param-groups-forms", "chimera/instance"), ("param-groups-forms", "chimera/one-named-group"),
     ("param-groups-zero1-2x2", "breadth-first/groups"), ("param-groups-zero3-2x2", "breadth-first/one-named-group")]
@@ -24,7 +25,7 @@ BAD = ["bad-zero1-chimera", "bad-zero1-tied", "bad-zero2", "bad-zero1-reduce", "
        "bad-batch-size-interleaved", "bad-batch-size-async", "bad-eval-reduce", "bad-auto-no-data", "bad-stages"]
 SCENARIOS = ["ckpt-resume-chimera", "ckpt-resume-2x2-zbv", "ckpt-cross-chimera-to-1f1b", "ckpt-cross-chimera-to-stock",
              "ckpt-cross-zbv-to-interleaved", "interop-stock-to-1f1b", "interop-1f1b-to-stock", "interop-stock-to-gpipe",
-             "lm-chimera", "lm-zbv", "trace-chimera", "trace-zbv", "monitors", "param-groups", "param-groups-forms",
+             *LM, "trace-chimera", "trace-zbv", "monitors", "param-groups", "param-groups-forms",
              "param-groups-zero1-2x2", "param-groups-zero3-2x2", "eval-arguments", "batch-size-change",
              "bf16-export-2x2-zbv", "auto-plan"] + BAD + [f"config-{name}" for name in CONFIGS]
 
@@ -179,7 +180,7 @@ def test_monitors_get_the_stock_engines_events(results, name):
                 (event, theirs, mine)
 
 
-@pytest.mark.parametrize("scenario", ["lm-chimera", "lm-zbv"])
+@pytest.mark.parametrize("scenario", LM)
 def test_dynamicconv_lm_trains_under_pipeline_schedules(results, scenario):
     losses = results[scenario]["losses"]
     assert losses[0] > 3.0                                  # about log(32) at the start

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 
 from ..config_reader import read_config
+from ..runtime.handoff import deepspeed_builds
 
-_PATCH_LOCK = threading.Lock()
 _ORIGINAL = {}
 
 
@@ -126,9 +125,9 @@ def _initialize_pipeline(original, call: dict, pipeline, loaded: dict, profile_b
     else:
         rng = contextlib.nullcontext()
     with rng:
-        engine_parameters = prepare_module(model, pipeline, model_parameters, stock_keys)
-        model._ds_chimera_plan.stock_optimizer_order = stock_order
-        rebound, kept = _rebind_optimizer(optimizer, model, into=in_place)
+        prepared = prepare_module(model, pipeline, stock_keys, stock_order)
+        engine_parameters = prepared.regroup(model_parameters, what="model_parameters")
+        rebound, kept = _rebind_optimizer(optimizer, prepared, into=in_place)
         if rebound is not optimizer and lr_scheduler is not None and not callable(lr_scheduler):
             # DeepSpeed calls a callable with the optimizer it builds; an instance is moved onto the rebuilt one
             from ..runtime.schedulers import repoint_scheduler
@@ -139,10 +138,10 @@ def _initialize_pipeline(original, call: dict, pipeline, loaded: dict, profile_b
             # DeepSpeed refuses a config both in args and as a dict; the dict (already read) wins.
             call["args"] = _without_config_path(args)
         engine_cls = ScheduledPipelineEngine
-        if not model._ds_chimera_plan.schedule.synchronous:
+        if not prepared.plan.schedule.synchronous:
             from ..runtime.async_engine import AsyncPipelineEngine
             engine_cls = AsyncPipelineEngine
-        with _engine_class(engine_cls):
+        with deepspeed_builds(engine_cls, prepared):
             result = original(**call)
     if deferred is not None:
         first_call = dict(call, model_parameters=model_parameters, optimizer=optimizer, config=loaded)
@@ -225,7 +224,7 @@ def _initialize_wavelet(original, call, args, model, config):
         import copy
         call["args"] = args = copy.copy(args)
         args.local_rank = int(os.environ["LOCAL_RANK"])
-    with _engine_class(WaveletEngine, "DeepSpeedEngine"):
+    with deepspeed_builds(WaveletEngine, name="DeepSpeedEngine"):
         return original(**call)
 
 
@@ -242,7 +241,7 @@ def _wave_batch_size(config: dict, world: int, wave_size: int) -> None:
         config["train_batch_size"] = micro * gas * wave_size
 
 
-def _rebind_optimizer(optimizer, model, into=None):
+def _rebind_optimizer(optimizer, prepared, into=None):
     """An optimizer built on the stock stage's parameters is rebuilt on the schedule's chunks, with
     its parameter groups and their options (see runtime/param_groups.py): ``(optimizer, kept)``, ``kept``
     the index of the given group each rebuilt group came from. ``into``: an optimizer of the same class
@@ -255,8 +254,8 @@ def _rebind_optimizer(optimizer, model, into=None):
                          "stepped (it has state) cannot follow its parameters; pass it before any step, as a "
                          "callable (lambda params: torch.optim.AdamW(params, ...)), or in the config")
     from ..runtime.param_groups import rebuild_optimizer
-    groups, kept = model._ds_chimera_regroup(optimizer.param_groups, with_origin=True,
-                                             what=f"the optimizer's ({type(optimizer).__name__}) param_groups")
+    groups, kept = prepared.regroup(optimizer.param_groups, with_origin=True,
+                                    what=f"the optimizer's ({type(optimizer).__name__}) param_groups")
     return rebuild_optimizer(optimizer, groups, into=into), kept
 
 
@@ -267,24 +266,6 @@ def _without_config_path(args):
         if hasattr(args, attr):
             setattr(args, attr, None)
     return args
-
-
-class _engine_class:
-    """Make deepspeed.initialize build ``cls`` instead of its ``attr`` engine class, for one call."""
-
-    def __init__(self, cls, attr: str = "PipelineEngine"):
-        self.cls, self.attr = cls, attr
-
-    def __enter__(self):
-        import deepspeed
-        _PATCH_LOCK.acquire()
-        self.saved = getattr(deepspeed, self.attr)
-        setattr(deepspeed, self.attr, self.cls)
-
-    def __exit__(self, *exc):
-        import deepspeed
-        setattr(deepspeed, self.attr, self.saved)
-        _PATCH_LOCK.release()
 
 
 def install() -> None:

@@ -47,9 +47,8 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
     if reused is not None:            # a rerun (a resume) runs what the first run chose, without planning again
         log.info("schedule auto: running the plan in %s (delete the file to plan again): %s",
                  options["plan_file"], reused)
-        module._ds_chimera_auto = {"pipeline": reused, "step_s": None, "peak_bytes": None,
-                                   "plan_file": str(options["plan_file"])}
-        return _reused_plan(pipeline, reused, options["plan_file"], module)
+        decision = {"pipeline": reused, "step_s": None, "peak_bytes": None, "plan_file": str(options["plan_file"])}
+        return _reused_plan(pipeline, reused, options["plan_file"], module, decision)
     grid = module._grid
     stages, dp = grid.pipe_parallel_size, grid.data_parallel_size
     device = torch.device(get_accelerator().device_name(module.local_rank))
@@ -106,8 +105,7 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
             write_text_atomic(options["plan_file"], json.dumps({"pipeline": chosen["pipeline"]}, indent=1) + "\n")
         return chosen
     decided = _on_rank0_for_all(planned, "planning", dist)
-    module._ds_chimera_auto = decided      # the choice and its predicted step and peak memory, for reports
-    return pipeline.with_plan(decided["pipeline"])
+    return pipeline.with_plan(decided["pipeline"], decided)      # with its predicted step and peak memory
 
 
 def _on_rank0_for_all(work, what: str, dist):
@@ -160,11 +158,11 @@ def _plan_section(path: str) -> dict:
     return section
 
 
-def _reused_plan(pipeline, section: dict, path, module):
+def _reused_plan(pipeline, section: dict, path, module, decision: dict | None = None):
     """``pipeline`` with the plan file's section, which must fit this model and pipeline (else: the fix)."""
     where = f'"pipeline": plan_file {str(path)!r}'
     try:
-        planned = pipeline.with_plan(section)
+        planned = pipeline.with_plan(section, decision)
     except ValueError as exc:
         raise ValueError(f"{where} cannot be used: {exc}; {PLAN_FIX}") from None
     layers, parts = len(module._layer_specs), list(section["parts"])

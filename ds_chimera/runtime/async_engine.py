@@ -46,8 +46,8 @@ class AsyncPipelineHost(PipelineHost):
         self.predictor = None
         if schedule.weight_policy == "predict":
             # under bf16 the predictor reads the fp32 master weights and state behind the bf16 parameters
-            optimizer = BF16MasterView(engine.optimizer, self.hp_grads) if engine.using_bf16_optimizer \
-                else engine.optimizer
+            optimizer = BF16MasterView(engine.optimizer, self.gradients.source.hp_grads) \
+                if engine.using_bf16_optimizer else engine.optimizer
             self.predictor = predictor_for(schedule, optimizer)
         self.weight_versions = {c: WeightVersions(chunk, schedule.weight_policy, self.predictor)
                                 for c, chunk in self.chunk_modules.items()}
@@ -61,18 +61,11 @@ class AsyncPipelineHost(PipelineHost):
     def backward_done(self, chunk: int, mb: int) -> None:
         self.weight_versions[chunk].backward_done(mb, record=self.record_versions)
 
-    def wait_grad_syncs(self, stages: tuple) -> None:
-        divide_by = self.dp_size
-        for sync in self.pending:
-            sync.finish(self.timeout_s, divide_by)
-        self.pending = []
-
     def clip_gradients(self, scope, stage: int) -> None:
         """One stage's own norm: a global one would make every stage meet at each update."""
         if self.max_norm <= 0:
             return
-        grads = list(self.hp_grads.values()) if self.hp_grads else \
-            [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        grads = self.gradients.source.held(self.engine.module)
         if grads:
             self.grad_norm = clip_by_norm(grads, grads, self.max_norm, None, self.device)
             self.engine._global_grad_norm = self.grad_norm

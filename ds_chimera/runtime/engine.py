@@ -24,6 +24,7 @@ from . import faults
 from .eval_outputs import RecordingHost, broadcast_losses, check_eval_arguments, collect, reduce_outputs
 from .executor import StepExecutor
 from .groups import process_groups_in
+from .handoff import PreparedPipeline
 from .host import PipelineHost
 from .p2p import post_or_fail, wait_or_fail
 from .tensors import to_device
@@ -37,12 +38,14 @@ class ScheduledPipelineEngine(PipelineEngine):
 
     host_class = PipelineHost
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, prepared: PreparedPipeline, **kwargs):
+        """DeepSpeed's constructor arguments, and what set-up built (``prepared``: runtime/handoff.py)."""
+        plan = prepared.plan
+        # DeepSpeed's constructor calls back into this class (set_dataiterator): both are read there
+        self.prepared, self.plan = prepared, plan
         # after a failure every rank caught, a new engine is a new job (runtime/faults.py)
-        self._fault_epoch = faults.start_new_job(kwargs["model"]._ds_chimera_plan.timeout_s)
+        self._fault_epoch = faults.start_new_job(plan.timeout_s)
         super().__init__(*args, **kwargs)
-        plan = self.module._ds_chimera_plan
-        self.plan = plan
         self.schedule = plan.schedule
         self.placement = plan.schedule.placement
         self.pipe_rank = self.grid.get_stage_id()
@@ -73,6 +76,13 @@ class ScheduledPipelineEngine(PipelineEngine):
                      self.schedule.name, self.num_stages, self.dp_size, self.micro_batches,
                      len(self.host.chunk_modules))
 
+    @property
+    def auto_decision(self) -> dict | None:
+        """Under ``"schedule": "auto"``: the planner's choice (``"pipeline"``), its predicted step (``"step_s"``)
+        and peak memory (``"peak_bytes"``); None for a named schedule."""
+        decided = self.plan.config.planned_by
+        return dict(decided) if decided is not None else None
+
     def fault_groups(self) -> list:
         """The process groups a failure must break to end this engine's waits (runtime/faults.py)."""
         return self.host.groups.all_groups() + process_groups_in(self.grid, self.optimizer, self)
@@ -91,7 +101,7 @@ class ScheduledPipelineEngine(PipelineEngine):
 
     # ---- data ----------------------------------------------------------------------------
     def _loads_data(self) -> bool:
-        return self.module._ds_chimera_plan.loads_data(self.grid.get_stage_id())
+        return self.plan.loads_data(self.grid.get_stage_id())
 
     def set_dataiterator(self, iterator):
         self._given_iterator = iterator
@@ -284,7 +294,7 @@ class ScheduledPipelineEngine(PipelineEngine):
                 log.info("schedule %r built for %d micro-batches (train_batch_size %d)", plan.schedule.name,
                          micro_batches, train_batch_size)
         super().set_train_batch_size(train_batch_size)
-        self.plan = self.host.plan = self.module._ds_chimera_plan = plan
+        self.plan = self.host.plan = plan
         self.schedule = plan.schedule
 
     def reset_activation_shape(self):

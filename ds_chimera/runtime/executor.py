@@ -98,8 +98,8 @@ class StepRun:
         self.lookahead = executor.recv_lookahead
         self.on_losses = on_losses
         placement = self.placement
-        self.losses_left = sum(1 for op in ops if type(op) is Action and op[0] == FORWARD
-                               and placement.next_chunk(op[1]) is None) if on_losses is not None else -1
+        self.losses_left = sum(1 for op in ops if type(op) is Action and op.kind == FORWARD
+                               and placement.next_chunk(op.chunk) is None) if on_losses is not None else -1
         self.handlers = {Action: self._action, CommBatch: self._comm, GradSync: self._grad_sync,
                          SyncWait: self._sync_wait, ClipGrads: self._clip, OptimizerStep: self._step,
                          Gather: self._gather, Release: self._release}
@@ -133,30 +133,30 @@ class StepRun:
         current_action = op
         trace = self.trace
         if self.sharded:
-            self.ctx.wait_weights(op[1])        # a wait, not the action's work: outside its traced span
+            self.ctx.wait_weights(op.chunk)        # a wait, not the action's work: outside its traced span
         start = trace.clock.mark() if trace is not None else None
-        if self.sharded and op[0] in GRADIENT_KINDS:
+        if self.sharded and op.kind in GRADIENT_KINDS:
             # the chunk's gradient buffer (once a step): part of the backward's work, as autograd's
             # own .grad allocation is in an unsharded run
-            self.ctx.prepare_grads(op[1])
-        kind = op[0]
+            self.ctx.prepare_grads(op.chunk)
+        kind = op.kind
         if kind == FORWARD:
             self._forward(op)
         elif kind in BACKWARD_KINDS:
             self._backward(op)
         elif kind == WEIGHT_GRAD:
-            for outs, out_grads, params in self.deferred.pop((op[1], op[2])):
+            for outs, out_grads, params in self.deferred.pop((op.chunk, op.mb)):
                 torch.autograd.backward(outs, grad_tensors=out_grads, inputs=params)
         elif kind == STEP:
-            self.ctx.optimizer_step((op[1],))
+            self.ctx.optimizer_step((op.chunk,))
         else:
             raise RuntimeError(f"the runtime cannot execute action {op}")
         if trace is not None:
-            trace.add(kind, op[1], op[2], start, trace.clock.mark())
+            trace.add(kind, op.chunk, op.mb, start, trace.clock.mark())
 
     def _forward(self, op) -> None:
         ctx, placement, train = self.ctx, self.placement, self.train
-        _, c, mb = op
+        c, mb = op.chunk, op.mb
         prev = placement.prev_chunk(c)
         if prev is None:
             x = ctx.load_input(c, mb)
@@ -191,7 +191,7 @@ class StepRun:
 
     def _backward(self, op) -> None:
         ctx, placement = self.ctx, self.placement
-        kind, c, mb = op
+        kind, c, mb = op.kind, op.chunk, op.mb
         out = self.outputs.pop((c, mb))
         nxt = placement.next_chunk(c)
         if nxt is None:

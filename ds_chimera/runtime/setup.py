@@ -2,25 +2,32 @@
 from __future__ import annotations
 
 
+import dataclasses
 import functools
 
 from torch import nn
 
 from ..logs import get_logger
 from ..config import PipelineConfig
+from .handoff import PreparedPipeline
 from .param_groups import distinct_options, remap_groups, stock_parameter_keys
 from .plan import make_plan
 
 log = get_logger()
 
 
-def prepare_module(module, config: PipelineConfig, model_parameters, stock_keys: dict | None = None):
-    """Validate the schedule, build this rank's chunks and replace the stock stage's layers.
+def prepare_module(module, config: PipelineConfig, stock_keys: dict | None = None,
+                   stock_optimizer_order: list | None = None) -> PreparedPipeline:
+    """Validate the schedule, build this rank's chunks and replace the stock stage's layers with them.
 
-    Returns the parameters the optimizer should see. Raises ValueError for a bad schedule,
-    option or layer count, on every rank and before any step. ``stock_keys``: the stock stage's
-    parameter keys (``stock_parameter_keys``), where its layers were replaced already (a module built
-    again for the plan "auto" makes at the first train_batch)."""
+    Returns what the engine is built from (:class:`~.handoff.PreparedPipeline`); its ``regroup`` turns
+    the script's ``model_parameters`` (or its optimizer's groups) into the chunks'. Raises ValueError for
+    a bad schedule, option or layer count, on every rank and before any step. ``stock_keys``: the stock
+    stage's parameter keys (``stock_parameter_keys``), where its layers were replaced already (a module
+    built again for the plan "auto" makes at the first train_batch); read them (and the script's
+    ``model_parameters``, often a generator over the stock stage) before calling this.
+    ``stock_optimizer_order``: every rank's stock optimizer layout, kept on the plan for loading a stock
+    checkpoint's optimizer state."""
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
 
@@ -38,9 +45,6 @@ def prepare_module(module, config: PipelineConfig, model_parameters, stock_keys:
                          f"build the PipelineModule with num_stages={config.stages}")
     if stock_keys is None:
         stock_keys = stock_parameter_keys(module)    # the stock stage's parameters, about to go
-    if model_parameters is not None:
-        # model.parameters() is a generator: read it now, before the stock stage's layers are replaced
-        model_parameters = list(model_parameters)
 
     def parts_fn(num_parts, method):
         if method is None and num_parts == num_stages:
@@ -51,6 +55,7 @@ def prepare_module(module, config: PipelineConfig, model_parameters, stock_keys:
         # a schedule that chooses its order from costs (Chimera's auto) prices the recomputation
         config = config.with_default_option("recompute", True)
     plan = make_plan(config, num_stages, dp, len(module._layer_specs), parts_fn)
+    plan = dataclasses.replace(plan, stock_optimizer_order=stock_optimizer_order)
     zero = config.zero_stage
     if zero == 1:
         _refuse_cross_rank_ties(module, plan)
@@ -73,49 +78,46 @@ def prepare_module(module, config: PipelineConfig, model_parameters, stock_keys:
     module.tied_modules = nn.ModuleDict()
     module.tied_weight_attrs = {}
     module.tied_comms = {}
+    # the chunks become the module's layers: DeepSpeed's engine takes its parameters from the module
     module.ds_chimera_chunks = chunks
     module.ds_chimera_tied = tied
-    module._ds_chimera_plan = plan
-    module._ds_chimera_shards = None
     for p in module.parameters():
         p.ds_pipe_replicated = False
     if dist.get_rank() == 0:
         cut = ", ".join(f"stage {s}: layers [{plan.parts[s]}, {plan.parts[s + 1]})"
                         for s in range(plan.placement.num_stages))
         log.info("schedule %r; %s", plan.schedule, cut)
+    shards = None
     if zero >= 2:
         # the optimizer steps this rank's shards: one flat 1/DP slice per chunk (see .sharding)
         from .sharding import ChunkShards
         shards = ChunkShards({chunk.index: chunk for chunk in chunks}, grid.get_data_parallel_group(),
                              grid.get_data_parallel_id(), dp, zero, plan.timeout_s)
-        module._ds_chimera_shards = shards
-    # an optimizer instance's groups are carried over the same way, after this returns
-    module._ds_chimera_regroup = functools.partial(_regroup, module, stock_keys=stock_keys, zero=zero)
-    return module._ds_chimera_regroup(model_parameters, what="model_parameters")
+    regroup = functools.partial(_regroup, module, shards, stock_keys=stock_keys, zero=zero)
+    return PreparedPipeline(plan=plan, chunks=list(chunks), tied=tied, shards=shards, regroup=regroup)
 
 
-def _regroup(module, model_parameters, *, stock_keys: dict, zero: int, what: str, with_origin: bool = False):
+def _regroup(module, shards, model_parameters, *, stock_keys: dict, zero: int, what: str, with_origin: bool = False):
     """``model_parameters`` (or an optimizer's groups) over the chunks: see :mod:`.param_groups`.
 
     ``with_origin``: return ``(groups, kept)``, ``kept[i]`` the index of the given group that ``groups[i]``
     came from (an LR scheduler's per-group state follows it: see :mod:`.schedulers`)."""
-    result, kept = _regrouped(module, model_parameters, stock_keys, zero, what)
+    result, kept = _regrouped(module, shards, model_parameters, stock_keys, zero, what)
     return (result, kept) if with_origin else result
 
 
-def _regrouped(module, model_parameters, stock_keys: dict, zero: int, what: str) -> tuple:
+def _regrouped(module, shards, model_parameters, stock_keys: dict, zero: int, what: str) -> tuple:
     if not model_parameters:
         # DeepSpeed then takes model.parameters(): the chunks' (or, under ZeRO-2/3, their shards)
-        return (module._ds_chimera_shards.shard_params if zero >= 2 else None), []
+        return (shards.shard_params if zero >= 2 else None), []
     groups, plain, kept = remap_groups(model_parameters, stock_keys, module, _all_gather_object)
     if zero >= 2:
         if distinct_options(groups) > 1:
             raise ValueError(f"{what} has parameter groups with different options, and ZeRO stage {zero} with "
                              f"pipeline schedules steps one flat shard per chunk, which takes one set of options; "
                              f"set zero_optimization.stage to 0 or 1, or give every group the same options")
-        shards = module._ds_chimera_shards.shard_params
         options = {k: v for k, v in groups[0].items() if k != "params"} if groups else {}
-        return (shards if plain else [{**options, "params": shards}]), kept[:1]
+        return (shards.shard_params if plain else [{**options, "params": shards.shard_params}]), kept[:1]
     if plain:
         return [p for group in groups for p in group["params"]], kept
     return groups, kept

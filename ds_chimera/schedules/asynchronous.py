@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..validation import check_int
 from .actions import BACKWARD, FORWARD, STEP, Action
-from .base import Schedule, linear_placement
+from .base import AsynchronousSchedule, linear_placement
 from .classic import one_f_one_b_orders
 from .lowering import lower
 
@@ -33,11 +33,8 @@ def check_steps_ahead(schedule: str, value):
                      f"got {value!r}")
 
 
-class AsyncOneFOneB(Schedule):
+class AsyncOneFOneB(AsynchronousSchedule):
     """Base: the 1F1B order, plus one optimizer step per ``update_interval`` backwards."""
-
-    synchronous = False
-    weight_policy = "stash"
 
     def update_interval(self) -> int:
         return 1

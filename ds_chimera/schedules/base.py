@@ -6,6 +6,7 @@ and one ordered list of compute :class:`Action` per rank. It never touches
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import ClassVar
 
 from ..validation import check_int
@@ -79,6 +80,49 @@ class Schedule:
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
         return f"{type(self).__name__}(stages={self.stages}, micro_batches={self.micro_batches}{', ' if opts else ''}{opts})"
+
+
+class AsynchronousSchedule(Schedule, ABC):
+    """The contract of a schedule that steps each stage inside the pipeline (no flush): every method and
+    attribute the asynchronous engine (runtime/async_engine.py) and the weight versions (optim/versions.py)
+    read. Orders hold ``S`` actions (one stage's optimizer step) after the backwards that complete an update."""
+
+    synchronous: ClassVar[bool] = False
+    weight_policy: ClassVar[str] = "stash"     # "stash": the backward sees its forward's version; "predict": the
+    #                                            forward sees weights predicted steps_ahead() updates ahead
+
+    @abstractmethod
+    def update_interval(self) -> int:
+        """Backwards (micro-batches) per optimizer update; the engine divides each loss by it."""
+
+    @property
+    @abstractmethod
+    def continuous(self) -> bool:
+        """Whether the pipeline stays full across train_batch calls (the engine then runs :meth:`part_program`)."""
+
+    @abstractmethod
+    def versions(self) -> dict:
+        """(chunk, mb) -> (updates applied before its forward, updates applied before its backward)."""
+
+    @abstractmethod
+    def steps_ahead(self, chunk: int, mb: int) -> int:
+        """How many updates ahead the forward of (chunk, mb) predicts the weights (``predict`` policy)."""
+
+    @abstractmethod
+    def part_program(self, part: str) -> Program:
+        """The lowered program of one call of a continuous pipeline: ``part`` is first, steady or drain."""
+
+    @abstractmethod
+    def unrolled_program(self, calls: int) -> Program:
+        """first + steady x (calls - 1) + drain as one program: what the simulator proves for continuous fill."""
+
+    @abstractmethod
+    def part_steps_ahead(self) -> dict:
+        """part -> {(chunk, call-local mb): steps ahead}, for the predictor of a continuous pipeline."""
+
+    @abstractmethod
+    def weights_per_rank(self) -> list:
+        """Peak weight versions per rank (stashed or predicted copies included): the memory model reads it."""
 
 
 def linear_placement(stages: int, micro_batches: int) -> Placement:

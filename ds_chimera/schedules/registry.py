@@ -11,7 +11,7 @@ import sys
 from importlib import metadata
 
 from ..logs import get_logger
-from .base import Schedule
+from .base import AsynchronousSchedule, Schedule
 
 ENTRY_POINT_GROUP = "ds_chimera.schedules"
 log = get_logger()
@@ -33,10 +33,21 @@ _extra: dict = {}
 
 def register(cls: type) -> type:
     """Register a Schedule subclass in this process (a decorator; entry points are preferred)."""
-    if not (isinstance(cls, type) and issubclass(cls, Schedule) and cls.name):
-        raise ValueError(f"register() needs a Schedule subclass with a name, got {cls!r}")
+    problem = _not_a_schedule(cls) or ("has no name" if not cls.name else "")
+    if problem:
+        raise ValueError(f"register() needs a Schedule subclass with a name: {cls!r} {problem}")
     _extra[cls.name] = cls
     return cls
+
+
+def _not_a_schedule(cls) -> str:
+    """Why ``cls`` cannot be registered ("" if it can): the engines rely on the contracts' methods."""
+    if not (isinstance(cls, type) and issubclass(cls, Schedule)):
+        return "is not a ds_chimera Schedule subclass"
+    if not cls.synchronous and not issubclass(cls, AsynchronousSchedule):
+        return ("sets synchronous = False but does not subclass ds_chimera.schedules.base.AsynchronousSchedule, "
+                "which states what the asynchronous engine calls")
+    return ""
 
 
 def available() -> dict:
@@ -60,8 +71,9 @@ def _plugins(search_path: tuple) -> dict:
         except Exception as exc:   # a broken plugin must not take the built-ins down
             log.warning("schedule plugin %r (%s) failed to load: %s", ep.name, ep.value, exc)
             continue
-        if not (isinstance(cls, type) and issubclass(cls, Schedule)):
-            log.warning("schedule plugin %r (%s) is not a ds_chimera Schedule subclass", ep.name, ep.value)
+        problem = _not_a_schedule(cls)
+        if problem:
+            log.warning("schedule plugin %r (%s) %s", ep.name, ep.value, problem)
             continue
         plugins[ep.name] = cls
     return plugins

@@ -230,7 +230,7 @@ def auto_without_data(counts=(8,) * STEPS, load_stock=False):
     stock, (stock_losses, stock_lrs, _) = run(None)
     del stock
     auto, (losses, lrs, _) = run("auto", memory_limit_gb=64)
-    chosen = dict(auto.module._ds_chimera_auto["pipeline"])
+    chosen = dict(auto.auto_decision["pipeline"])
     planned = {"schedule": auto.schedule.name, "engine_class": type(auto).__name__,
                "deferred": auto._deferred_plan is not None}
     del auto

@@ -55,14 +55,13 @@ def train(out: str, name: str, pipeline: dict) -> None:
                              report_to="none", disable_tqdm=True, save_strategy="no", deepspeed=config)
     trainer = Trainer(model=model(), args=args, train_dataset=Tokens(), data_collator=collate)
     trainer.train()
-    module = trainer.engine.module
-    plan = module._ds_chimera_plan
+    plan = trainer.engine.plan
     rank = dist.get_rank()
     record = {"class": type(trainer).__name__,
               "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
               "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
               "schedule": plan.schedule.name, "options": dict(plan.config.options), "parts": list(plan.parts),
-              "auto": getattr(module, "_ds_chimera_auto", None)}
+              "auto": trainer.engine.auto_decision}
     with open(os.path.join(out, f"{name}-rank{rank}.json"), "w") as fh:
         json.dump(record, fh)
     torch.save({k: v.detach().cpu() for k, v in trainer.model.state_dict().items()},

@@ -155,7 +155,8 @@ def train_and_compare(schedule, stages, dp, n, steps=3, tied=False, clip=0.5, ac
     ref_eval = sum(torch.nn.functional.mse_loss(_forward(ref_layers, x), y).item()
                    for x, y in global_batches(steps)) / (n * dp)
     result["eval_diff"] = abs(eval_loss - ref_eval)
-    result["zero1_early_chunks"] = getattr(getattr(engine, "host", None), "zero1_early_chunks", None)
+    gradients = getattr(getattr(engine, "host", None), "gradients", None)     # ZeRO-1's strategy counts them
+    result["zero1_early_chunks"] = getattr(gradients, "early_chunks", None)
     early = torch.tensor([getattr(getattr(engine, "p2p", None), "early_receives", 0)], device=_comm_device())
     tdist.all_reduce(early)
     result["early_receives"] = early.item()
@@ -924,7 +925,7 @@ def auto_plan(stages=4, n=8, steps=2):
 
     global_batches = make_global_batches(n)
     auto = build(config("auto", n, 1, clip=NO_CLIP, plan_file=plan_file, memory_limit_gb=64), data)
-    plan = auto.module._ds_chimera_plan
+    plan = auto.plan
     chosen = {"schedule": plan.schedule.name, **plan.config.options, "parts": list(plan.parts)}
     every = [None] * tdist.get_world_size()
     tdist.all_gather_object(every, chosen)
@@ -932,9 +933,8 @@ def auto_plan(stages=4, n=8, steps=2):
     with open(plan_file) as fh:
         written = json.load(fh)["pipeline"]
     # a later start with that plan_file runs its section without profiling (no training_data needed)
-    again = build(config("auto", n, 1, clip=NO_CLIP, plan_file=plan_file, memory_limit_gb=64)).module
-    rerun = {"schedule": again._ds_chimera_plan.schedule.name, **again._ds_chimera_plan.config.options,
-             "parts": list(again._ds_chimera_plan.parts)}
+    again = build(config("auto", n, 1, clip=NO_CLIP, plan_file=plan_file, memory_limit_gb=64)).plan
+    rerun = {"schedule": again.schedule.name, **again.config.options, "parts": list(again.parts)}
     auto_losses = train(auto)
     named = build(config(written["schedule"], n, 1, clip=NO_CLIP,
                          **{k: v for k, v in written.items() if k != "schedule"}))
