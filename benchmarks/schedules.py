@@ -211,8 +211,8 @@ def allreduce_time(dist, torch, rank, group, ranks: tuple, idle_s: float, rounds
 
 def sync_group_size(program) -> int:
     """The most ranks any gradient sync of ``program`` spans (1: the program has none)."""
-    from ds_chimera.schedules.actions import GradSync
-    return max((len(set(op.ranks)) for ops in program.ops for op in ops if type(op) is GradSync), default=1)
+    from ds_chimera.schedules.actions import SyncStart
+    return max((len(set(op.ranks)) for ops in program.ops for op in ops if type(op) is SyncStart), default=1)
 
 
 def megatron_contract_step(name, options, n, specs, world, rank, data):

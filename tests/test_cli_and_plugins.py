@@ -91,7 +91,7 @@ def test_auto_ranks_schedules_that_fit_the_memory_limit(capsys):
     spans = [r["makespan"] for r in ranking]
     assert spans == sorted(spans)
     assert "excluded: peak activations 8 > limit 4" in out
-    # Chimera's orders and pipelines are ranked too (issue 32): zero-bubble fits 1F1B's peak, forward-doubling not
+    # Chimera's orders and pipelines are ranked too: zero-bubble fits 1F1B's peak, forward-doubling not
     assert "chimera pipelines=1 order=zero-bubble" in names and "chimera pipelines=2 order=concat" in names
     assert "chimera pipelines=1 order=forward-doubling  excluded: peak activations 8 > limit 4" in out
 

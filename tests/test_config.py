@@ -180,11 +180,11 @@ def test_initialize_parses_the_config_once_and_passes_the_typed_value_down(tmp_p
 ])
 def test_the_step_meets_for_a_global_norm_only_where_one_is_used(extra, norm):
     from ds_chimera.runtime.plan import make_plan
-    from ds_chimera.schedules.actions import ClipGrads, ClipScope
+    from ds_chimera.schedules.actions import Clip, ClipScope
     from ds_chimera.sim import simulate
     cfg = parse({"schedule": "zbv"}, **extra)
     assert cfg.global_norm is norm
     plan = make_plan(cfg, 4, 1, 16, lambda stages, method: [2 * i for i in range(stages + 1)])
-    clips = [op for ops in plan.program.ops for op in ops if type(op) is ClipGrads and op.scope == ClipScope.GLOBAL]
+    clips = [op for ops in plan.program.ops for op in ops if type(op) is Clip and op.scope == ClipScope.GLOBAL]
     assert len(clips) == (4 if norm else 0)
     assert simulate(plan.program).valid

@@ -1,4 +1,4 @@
-"""The planner (issue 32): cuts, memory, the search's choice against an exhaustive sweep, the profile, the CLI."""
+"""The planner: cuts, memory, the search's choice against an exhaustive sweep, the profile, the CLI."""
 import itertools
 import json
 import random

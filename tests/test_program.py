@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from ds_chimera.schedules import build, registry
-from ds_chimera.schedules.actions import (ACT, Action, ClipGrads, ClipScope, CommBatch, GradSync, Kind, Message,
-                                          OptimizerStep, SyncWait, parse_op)
+from ds_chimera.schedules.actions import (ACT, Action, Clip, ClipScope, Comm, SyncStart, Kind, Message,
+                                          Step, SyncWait, parse_op)
 from ds_chimera.schedules.costs import Costs
 from ds_chimera.schedules.lowering import Program
 from ds_chimera.schedules.timing import compute_timing
@@ -33,10 +33,10 @@ CASES = [("gpipe", 4, 6, {}), ("1f1b", 4, 8, {}), ("interleaved", 2, 4, {"chunks
 
 
 def test_every_op_prints_and_parses_back():
-    ops = [Action(Kind.FORWARD, 12, 3), Action(Kind.WEIGHT_GRAD, 0, 10), Action(Kind.STEP, 2, 7),
-           CommBatch((Message(ACT, 0, 1, 3), Message("grad", 5, 4, 0)), ()), CommBatch((), (Message(ACT, 1, 2, 9),)),
-           GradSync(2, (1, 2)), SyncWait((0, 3)), ClipGrads(ClipScope.GLOBAL), ClipGrads(ClipScope.STAGE, 2),
-           OptimizerStep((0, 7))]
+    ops = [Action(Kind.FORWARD, 12, 3), Action(Kind.WEIGHT_GRAD, 0, 10), Action(Kind.STAGE_STEP, 2, 7),
+           Comm((Message(ACT, 0, 1, 3), Message("grad", 5, 4, 0)), ()), Comm((), (Message(ACT, 1, 2, 9),)),
+           SyncStart(2, (1, 2)), SyncWait((0, 3)), Clip(ClipScope.GLOBAL), Clip(ClipScope.STAGE, 2),
+           Step((0, 7))]
     texts = [str(op) for op in ops]
     assert texts[0] == "12F3" and texts[5] == "SYNC_START stage=2 ranks=1,2" and texts[8] == "CLIP scope=stage stage=2"
     assert [parse_op(t) for t in texts] == ops
@@ -61,14 +61,14 @@ def test_the_program_is_the_whole_step_and_round_trips(name, d, n, options):
         chunks = tuple(schedule.placement.chunks_on(rank))
         if schedule.synchronous:      # one flush: wait for the syncs, clip on the global norm, step every chunk
             assert ops[-3:] == [SyncWait(tuple(sorted({schedule.placement.chunks[c].stage for c in chunks}))),
-                                ClipGrads(ClipScope.GLOBAL), OptimizerStep(chunks)]
+                                Clip(ClipScope.GLOBAL), Step(chunks)]
         else:                         # each stage steps alone: its sync, its wait, its own clip, then S
-            steps = [i for i, op in enumerate(ops) if type(op) is Action and op.kind == Kind.STEP]
+            steps = [i for i, op in enumerate(ops) if type(op) is Action and op.kind == Kind.STAGE_STEP]
             assert steps
             for i in steps:
                 stage = schedule.placement.chunks[ops[i].chunk].stage
-                assert [type(op) for op in ops[i - 3:i]] == [GradSync, SyncWait, ClipGrads]
-                assert ops[i - 1] == ClipGrads(ClipScope.STAGE, stage) and ops[i - 2] == SyncWait((stage,))
+                assert [type(op) for op in ops[i - 3:i]] == [SyncStart, SyncWait, Clip]
+                assert ops[i - 1] == Clip(ClipScope.STAGE, stage) and ops[i - 2] == SyncWait((stage,))
     loaded = Program.load(program.dump())
     assert loaded.ops == program.ops and loaded.name == program.name and loaded.synchronous == program.synchronous
     assert loaded.placement.stage_ranks == program.placement.stage_ranks
@@ -97,13 +97,13 @@ def _without(program, kinds):
 def test_the_simulator_refuses_a_step_without_its_tail():
     program = build("chimera", 4, 4).lower()
     assert simulate(program).valid
-    no_step = simulate(_without(program, {OptimizerStep}))
+    no_step = simulate(_without(program, {Step}))
     assert any("never steps the optimizer on chunks" in e for e in no_step.errors)
     no_wait = simulate(_without(program, {SyncWait}))
     assert any("steps the optimizer while the gradient syncs of stages" in e for e in no_wait.errors)
     # one rank without the global clip: the others wait for it forever
     ops = [list(o) for o in program.ops]
-    ops[2] = [op for op in ops[2] if type(op) is not ClipGrads]
+    ops[2] = [op for op in ops[2] if type(op) is not Clip]
     stuck = simulate(Program(program.name, program.placement, ops, True, program.weights))
     assert not stuck.valid and any("waits for every rank to reach its global clip" in why
                                    for why in stuck.deadlock.values())
@@ -380,7 +380,7 @@ def test_one_chunks_full_gradients_at_a_time_and_the_reduce_scatters_are_priced(
     """Breadth-first under sharding: a chunk's first backward waits for the reduce-scatter before it, so
     one chunk's full gradients exist at once; the simulator prices those reduce-scatters when the syncs
     span data-parallel copies of the pipeline, even where the program's own groups are one rank."""
-    from ds_chimera.schedules.actions import BACKWARD, GradSync, SyncWait
+    from ds_chimera.schedules.actions import BACKWARD, SyncStart, SyncWait
     from ds_chimera.schedules.sharding import shard
     program = shard(build("breadth-first", 2, 4, chunks=3).lower(), 3)
     for rank, ops in enumerate(program.ops):
@@ -389,7 +389,7 @@ def test_one_chunks_full_gradients_at_a_time_and_the_reduce_scatters_are_priced(
         for i in waits[:-1]:
             nxt = ops[i + 1]
             assert type(nxt) is Action and nxt.kind == BACKWARD and nxt.mb == 0
-            synced = [op.stage for op in ops[:i] if type(op) is GradSync]
+            synced = [op.stage for op in ops[:i] if type(op) is SyncStart]
             assert ops[i].stages == (synced[-1],) and program.placement.chunks[nxt.chunk].stage != synced[-1]
     plain = simulate(program).makespan
     assert simulate(program, Costs(allreduce=0.4)).makespan == pytest.approx(plain)     # one rank: no collective

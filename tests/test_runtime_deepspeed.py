@@ -100,5 +100,5 @@ def test_activation_checkpointing_with_in_place_layers_trains_as_the_stock_engin
 @pytest.mark.parametrize("scenario,early", [("zero1-2x2-breadth-first", 2), ("zero1-2x2-zbv", 2),
                                             ("zero1-2x2-breadth-first-end", 0)])
 def test_zero1_reduces_each_chunk_when_it_is_done(results, scenario, early):
-    """ZeRO-1: a chunk's gradients go to ZeRO's reduction at its GradSync (both chunks per rank), or all at the end."""
+    """ZeRO-1: a chunk's gradients go to ZeRO's reduction at its SyncStart (both chunks per rank), or all at the end."""
     assert results[scenario]["zero1_early_chunks"] == early

@@ -88,7 +88,7 @@ def test_bad_config_fails_at_initialize(results, scenario, message):
 
 
 def test_auto_trains_exactly_like_the_schedule_it_chose(results):
-    """"schedule": "auto" (issue 32): every rank runs the same plan, the plan_file holds it, and naming that
+    """"schedule": "auto": every rank runs the same plan, the plan_file holds it, and naming that
     section by hand gives the same weights, bit for bit; both equal one-process training."""
     r = results["auto-plan"]
     assert all(chosen == r["chosen"] for chosen in r["every_rank"])

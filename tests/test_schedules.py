@@ -4,7 +4,7 @@ import itertools
 import pytest
 
 from ds_chimera.schedules import FORWARD, available, build
-from ds_chimera.schedules.actions import BACKWARD, INPUT_GRAD, WEIGHT_GRAD, CommBatch, GradSync
+from ds_chimera.schedules.actions import BACKWARD, INPUT_GRAD, WEIGHT_GRAD, Comm, SyncStart
 from ds_chimera.sim import Costs, simulate
 
 UNIT = Costs(fwd=1.0, bwd=1.0, wgrad=0.5)
@@ -93,7 +93,7 @@ def test_chimera_zero_bubble_waits_only_for_the_nearest_pipeline_head(d, k):
 
 @pytest.mark.parametrize("d,n", [(2, 2), (4, 4), (4, 8), (4, 32), (8, 8), (8, 16), (8, 32)])
 def test_chimera_auto_fits_1f1b_activations_and_is_the_fastest_that_fits(d, n):
-    # switching from 1F1B to Chimera must not need more activation memory (issue 32): the default
+    # switching from 1F1B to Chimera must not need more activation memory: the default
     # order holds at most 1F1B's peak, and no order that fits is faster under the same costs
     costs = Costs()
     one_f_one_b = max(simulate(build("1f1b", d, n).lower(), costs).peak_activations)
@@ -209,9 +209,9 @@ def test_chimera_down_and_up_pipelines_are_mirrored():
 def test_lowering_posts_sends_before_receives_and_syncs_early():
     program = build("chimera", 4, 8, order="concat").lower()
     for ops in program.ops:
-        batches = [op for op in ops if isinstance(op, CommBatch)]
+        batches = [op for op in ops if isinstance(op, Comm)]
         assert batches and all(op.sends or op.recvs for op in batches)
-        syncs = [i for i, op in enumerate(ops) if isinstance(op, GradSync)]
+        syncs = [i for i, op in enumerate(ops) if isinstance(op, SyncStart)]
         assert len(syncs) == 2      # one per stage held
         # the first stage to finish syncs before the rank's last compute, inside the step
         last_compute = max(i for i, op in enumerate(ops) if hasattr(op, "kind"))
@@ -286,7 +286,7 @@ def test_replay_with_measured_op_durations():
 
 def test_readme_schedule_table_is_the_simulators():
     """The README's schedule table is generated (python -m ds_chimera.sim.table --write README.md): it must
-    equal what the simulator gives for today's code, so its figures cannot drift (issue 32)."""
+    equal what the simulator gives for today's code, so its figures cannot drift."""
     import os
     from ds_chimera.sim.table import BEGIN, END, schedule_table
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()

@@ -1,7 +1,7 @@
 """The simulator catches broken programs: deadlock, missing, duplicated and out-of-order work."""
 import pytest
 
-from ds_chimera.schedules import Action, CommBatch, Message, OptimizerStep, Placement, Program, build, lower
+from ds_chimera.schedules import Action, Comm, Message, Step, Placement, Program, build, lower
 from ds_chimera.schedules.actions import BACKWARD, FORWARD
 from ds_chimera.sim import Costs, simulate
 
@@ -53,15 +53,15 @@ def test_out_of_order_work_is_reported():
 
 def test_work_on_the_wrong_rank_and_unreceived_data_are_reported():
     placement = Placement(2, 2, [[0, 1]], [0])
-    ops = [[Action(F, 0, 0), Action(B, 0, 0), OptimizerStep((0,))],
-           [Action(F, 1, 0), Action(B, 1, 0), OptimizerStep((1,))]]
+    ops = [[Action(F, 0, 0), Action(B, 0, 0), Step((0,))],
+           [Action(F, 1, 0), Action(B, 1, 0), Step((1,))]]
     errors = simulate(Program("raw", placement, ops)).errors
     assert any("runs without receiving its activation" in e for e in errors)
     assert any("0B0 runs before the backward of chunk 1" in e or "0B0 runs without receiving" in e
                for e in errors)
     errors = simulate(Program("raw", placement, [[Action(F, 1, 0)], []])).errors
     assert any("runs 1F0 but chunk 1 lives on rank 1" in e for e in errors)
-    ops = [[CommBatch((Message("act", 0, 1, 0),), ()), Action(F, 0, 0)], []]
+    ops = [[Comm((Message("act", 0, 1, 0),), ()), Action(F, 0, 0)], []]
     errors = simulate(Program("raw", placement, ops)).errors
     assert any("before computing it" in e for e in errors)
 
@@ -83,20 +83,20 @@ def test_messages_received_out_of_send_order_are_reported():
 
 
 def test_gradient_sync_before_the_last_backward_is_reported():
-    from ds_chimera.schedules import GradSync
+    from ds_chimera.schedules import SyncStart
     program = build("chimera", 2, 2).lower()
     ops = program.ops[0]
-    sync = next(i for i, op in enumerate(ops) if isinstance(op, GradSync))
+    sync = next(i for i, op in enumerate(ops) if isinstance(op, SyncStart))
     ops.insert(0, ops.pop(sync))          # post a sync at the very start of rank 0's program
     errors = simulate(program).errors
     assert any("posts the gradient sync of stage" in e and "before the backward" in e for e in errors)
 
 
 def test_missing_gradient_sync_of_a_replicated_stage_is_reported():
-    from ds_chimera.schedules import GradSync
+    from ds_chimera.schedules import SyncStart
     program = build("chimera", 2, 2).lower()
     for ops in program.ops:
-        ops[:] = [op for op in ops if not isinstance(op, GradSync)]
+        ops[:] = [op for op in ops if not isinstance(op, SyncStart)]
     errors = simulate(program).errors
     assert any("never posts the gradient sync of replicated stage" in e for e in errors)
 

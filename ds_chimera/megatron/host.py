@@ -160,7 +160,7 @@ class MegatronHost:
         self.reduced[mb] = reduced
         return loss
 
-    # ---- Chimera's replica gradient all-reduce, posted by the program's GradSync -------------
+    # ---- Chimera's replica gradient all-reduce, posted by the program's SyncStart -------------
     @staticmethod
     def _grad(p):
         if getattr(p, "main_grad", None) is not None:      # Megatron DDP's buffers

@@ -7,6 +7,7 @@ plain DeepSpeed run would do.
 """
 from __future__ import annotations
 
+from ..partition import deepspeed_cut
 from ..schedules.costs import StageCosts
 
 CUT_METHODS = ("time", "parameters", "uniform")
@@ -20,12 +21,8 @@ def cut(layers: list, num_stages: int, method: str) -> list:
         return list(range(num_stages + 1))
     if method == "time":
         return balanced_cut([layer.fwd + layer.bwd for layer in layers], num_stages)
-    from deepspeed.runtime import utils as ds_utils     # DeepSpeed's methods, exactly as its engine cuts
-    if method == "parameters":
-        return [int(b) for b in ds_utils.partition_balanced(weights=[layer.params for layer in layers],
-                                                            num_parts=num_stages)]
-    if method == "uniform":
-        return [int(b) for b in ds_utils.partition_uniform(num_items=len(layers), num_parts=num_stages)]
+    if method in ("parameters", "uniform"):
+        return deepspeed_cut(method, [layer.params for layer in layers], num_stages)
     raise ValueError(f"cut method must be one of {', '.join(CUT_METHODS)}; got {method!r}")
 
 

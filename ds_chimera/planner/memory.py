@@ -11,7 +11,7 @@ state, stage 2 the gradients too, stage 3 the weights too (and then holds gather
 
 The activations are counted along each rank's order (a forward adds its stage's saved bytes, a
 full backward or a weight-grad frees them): the peak does not depend on timing, so it is the
-simulator's and the runtime's (measured equal on the DeepSpeed runtime, issue 23).
+simulator's and the runtime's (measured equal on the DeepSpeed runtime: tests/test_runtime_deepspeed*.py).
 """
 from __future__ import annotations
 

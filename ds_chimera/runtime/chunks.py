@@ -20,7 +20,6 @@ from functools import partial
 import torch
 from torch import nn
 
-from deepspeed.runtime import utils as ds_utils
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
 
 
@@ -31,8 +30,9 @@ def partition(module: PipelineModule, num_stages: int, method: str) -> list:
     if len(specs) < num_stages:
         raise ValueError(f"the model has {len(specs)} layers but the schedule cuts it into {num_stages} stages; "
                          f"use fewer stages or chunks")
+    from ..partition import deepspeed_cut
     if method == "uniform":
-        return ds_utils.partition_uniform(num_items=len(specs), num_parts=num_stages)
+        return deepspeed_cut(method, [1] * len(specs), num_stages)
     if method == "parameters":
         counts = []
         for layer in specs:
@@ -44,12 +44,12 @@ def partition(module: PipelineModule, num_stages: int, method: str) -> list:
                 counts.append(0)
                 continue
             counts.append(sum(p.numel() for p in built.parameters() if p.requires_grad))
-        return ds_utils.partition_balanced(weights=counts, num_parts=num_stages)
+        return deepspeed_cut(method, counts, num_stages)
     if method.startswith("type:"):
         marks = [0] * len(specs)
         for idx in module._find_layer_type(method.split(":", 1)[1]):
             marks[idx] = 1
-        return ds_utils.partition_balanced(weights=marks, num_parts=num_stages)
+        return deepspeed_cut(method, marks, num_stages)
     raise ValueError(f"partition method must be uniform, parameters or type:REGEX; got {method!r}")
 
 

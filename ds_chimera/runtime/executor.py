@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..schedules.actions import (ACT, BACKWARD, BACKWARD_KINDS, FORWARD, GRAD, GRADIENT_KINDS, STEP, WEIGHT_GRAD,
-                                 Action, ClipGrads, CommBatch, Gather, GradSync, OptimizerStep, Release, SyncWait)
+from ..schedules.actions import (ACT, BACKWARD, BACKWARD_KINDS, FORWARD, GRAD, GRADIENT_KINDS, STAGE_STEP, WEIGHT_GRAD,
+                                 Action, Clip, Comm, Gather, SyncStart, Step, Release, SyncWait)
 from .context import ExecutionContext
 from .tensors import as_leaves, as_tuple, pack, versions
 from .tracing import StepTrace, profiler_range
@@ -92,7 +92,7 @@ class StepRun:
         self.deferred, self.received, self.blocks = c["deferred"], c["received"], c["blocks"]
         self.loss_sum, self.loss_count = None, 0
         self.trace = StepTrace(ctx.pipe_rank, device) if trace else None
-        self.recv_batches = [op for op in ops if type(op) is CommBatch and op.recvs]
+        self.recv_batches = [op for op in ops if type(op) is Comm and op.recvs]
         self.next_recv_batch = 0     # index into recv_batches of the next batch this run reaches
         self.posted_upto = 0         # recv_batches[:posted_upto] have had their receives posted early
         self.lookahead = executor.recv_lookahead
@@ -100,8 +100,8 @@ class StepRun:
         placement = self.placement
         self.losses_left = sum(1 for op in ops if type(op) is Action and op.kind == FORWARD
                                and placement.next_chunk(op.chunk) is None) if on_losses is not None else -1
-        self.handlers = {Action: self._action, CommBatch: self._comm, GradSync: self._grad_sync,
-                         SyncWait: self._sync_wait, ClipGrads: self._clip, OptimizerStep: self._step,
+        self.handlers = {Action: self._action, Comm: self._comm, SyncStart: self._grad_sync,
+                         SyncWait: self._sync_wait, Clip: self._clip, Step: self._step,
                          Gather: self._gather, Release: self._release}
         self.sharded = any(type(op) is Gather for op in ops)    # compute then waits for its chunk's weights
         self._post_ahead(self.lookahead)
@@ -147,7 +147,7 @@ class StepRun:
         elif kind == WEIGHT_GRAD:
             for outs, out_grads, params in self.deferred.pop((op.chunk, op.mb)):
                 torch.autograd.backward(outs, grad_tensors=out_grads, inputs=params)
-        elif kind == STEP:
+        elif kind == STAGE_STEP:
             self.ctx.optimizer_step((op.chunk,))
         else:
             raise RuntimeError(f"the runtime cannot execute action {op}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ..optim.predictors import predictor_for
 from ..optim.versions import WeightVersions
-from ..schedules.actions import ClipGrads, ClipScope, CommBatch, split_chunks
+from ..schedules.actions import Clip, ClipScope, Comm, split_chunks
 from ..schedules.base import Schedule
 from .clipping import clip_by_norm
 from .executor import StepExecutor
@@ -159,7 +159,7 @@ class LocalPipeline:
             for r, ops in enumerate(program.ops):
                 while pcs[r] < len(ops):
                     op = ops[pcs[r]]
-                    if type(op) is CommBatch:
+                    if type(op) is Comm:
                         if sent[r] != pcs[r]:
                             runs[r].post_sends(op)
                             sent[r] = pcs[r]
@@ -167,7 +167,7 @@ class LocalPipeline:
                         if not all(hosts[r].transport.ready(m) for m in op.recvs):
                             break
                         runs[r].take_receives(op)
-                    elif type(op) is ClipGrads and op.scope == ClipScope.GLOBAL:
+                    elif type(op) is Clip and op.scope == ClipScope.GLOBAL:
                         if r not in at_clip:
                             at_clip.add(r)
                             progressed = True

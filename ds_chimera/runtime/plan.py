@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import PipelineConfig
-from ..schedules.actions import FORWARD
 from ..schedules.base import Schedule
-from ..schedules.lowering import Program, lower, without_global_clip
+from ..schedules.lowering import Program, lower_forward_only, without_global_clip
 from ..sim.simulator import simulate
 
 
@@ -69,8 +68,7 @@ def proven_programs(schedule: Schedule) -> tuple:
         raise ValueError(f"schedule {schedule.name!r} is invalid for stages={schedule.stages}, "
                          f"micro_batches={schedule.micro_batches}: "
                          f"{(proof.errors or list(proof.deadlock.values()))[:3]}")
-    forward_orders = [[a for a in order if a.kind == FORWARD] for order in schedule.orders]
-    eval_program = lower(schedule.name + "-eval", schedule.placement, forward_orders, synchronous=False)
+    eval_program = lower_forward_only(schedule.name + "-eval", schedule.placement, schedule.orders)
     return program, eval_program
 
 

@@ -30,7 +30,7 @@ class Kind(StrEnum):
     BACKWARD = "B"        # full backward: input grad and weight grad together
     INPUT_GRAD = "I"      # split backward, first half: grad w.r.t. the chunk's input
     WEIGHT_GRAD = "W"     # split backward, second half: grad w.r.t. the chunk's weights
-    STEP = "S"            # one chunk's optimizer step inside the pipeline (schedules with no flush)
+    STAGE_STEP = "S"      # one chunk's optimizer step inside the pipeline (schedules with no flush)
 
 
 class Payload(StrEnum):
@@ -57,8 +57,8 @@ class ClipScope(StrEnum):
     STAGE = "stage"       # one stage's own norm (asynchronous steps: stages update alone)
 
 
-FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, STEP = Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, \
-    Kind.WEIGHT_GRAD, Kind.STEP
+FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, STAGE_STEP = Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, \
+    Kind.WEIGHT_GRAD, Kind.STAGE_STEP
 ACT, GRAD = Payload.ACT, Payload.GRAD
 COMPUTE_KINDS = tuple(Kind)
 BACKWARD_KINDS = (BACKWARD, INPUT_GRAD)   # the kinds that produce an input gradient
@@ -136,7 +136,7 @@ class Message(NamedTuple):
 _MESSAGE = re.compile(r"(act|grad):(\d+)>(\d+):(\d+)")
 
 
-class CommBatch(NamedTuple):
+class Comm(NamedTuple):
     """Sends and receives posted together. Sends never block; the receives are awaited.
 
     Posting every send of a batch before waiting on any receive is what makes two
@@ -151,7 +151,7 @@ class CommBatch(NamedTuple):
         return f"COMM send={','.join(map(str, self.sends))} recv={','.join(map(str, self.recvs))}"
 
 
-class GradSync(NamedTuple):
+class SyncStart(NamedTuple):
     """Start the all-reduce of one model stage's gradients over the ranks holding a replica.
 
     Non-blocking: it is posted right after the rank's last backward of that stage, so it
@@ -176,7 +176,7 @@ class SyncWait(NamedTuple):
         return f"SYNC_WAIT stages={_ints(self.stages)}"
 
 
-class ClipGrads(NamedTuple):
+class Clip(NamedTuple):
     """Clip gradients to the configured norm: the model's global norm, or ``stage``'s own.
 
     The global clip is a collective of every rank of the pipeline (their squared norms
@@ -191,7 +191,7 @@ class ClipGrads(NamedTuple):
         return f"CLIP scope={self.scope}" + (f" stage={self.stage}" if self.scope == ClipScope.STAGE else "")
 
 
-class OptimizerStep(NamedTuple):
+class Step(NamedTuple):
     """Step the optimizer on ``chunks`` (every chunk of the rank at a flush)."""
 
     chunks: tuple
@@ -225,7 +225,7 @@ class Release(NamedTuple):
         return f"RELEASE chunk={self.chunk}"
 
 
-OPS = (Action, CommBatch, GradSync, SyncWait, ClipGrads, OptimizerStep, Gather, Release)
+OPS = (Action, Comm, SyncStart, SyncWait, Clip, Step, Gather, Release)
 _OP_WORDS = {k.value for k in OpKind}
 
 
@@ -254,18 +254,18 @@ def parse_op(text: str):
         if head == OpKind.COMM:
             sends = tuple(Message.parse(m) for m in fields.get("send", "").split(",") if m)
             recvs = tuple(Message.parse(m) for m in fields.get("recv", "").split(",") if m)
-            return CommBatch(sends, recvs)
+            return Comm(sends, recvs)
         if head == OpKind.SYNC_START:
-            return GradSync(int(fields["stage"]), _int_list(fields["ranks"]))
+            return SyncStart(int(fields["stage"]), _int_list(fields["ranks"]))
         if head == OpKind.SYNC_WAIT:
             return SyncWait(_int_list(fields["stages"]))
         if head == OpKind.CLIP:
             scope = ClipScope(fields["scope"])
-            return ClipGrads(scope, int(fields["stage"]) if scope == ClipScope.STAGE else -1)
+            return Clip(scope, int(fields["stage"]) if scope == ClipScope.STAGE else -1)
         if head == OpKind.GATHER:
             return Gather(int(fields["chunk"]))
         if head == OpKind.RELEASE:
             return Release(int(fields["chunk"]))
-        return OptimizerStep(_int_list(fields["chunks"]))
+        return Step(_int_list(fields["chunks"]))
     except KeyError as missing:
         raise ValueError(f"op {text!r} lacks the field {missing}") from None

@@ -16,7 +16,7 @@ since the start of that call.
 from __future__ import annotations
 
 from ..validation import check_int
-from .actions import BACKWARD, FORWARD, STEP, Action
+from .actions import BACKWARD, FORWARD, STAGE_STEP, Action
 from .base import AsynchronousSchedule, linear_placement
 from .classic import one_f_one_b_orders
 from .lowering import lower
@@ -64,7 +64,7 @@ class AsyncOneFOneB(AsynchronousSchedule):
             for action in order:
                 out.append(action)
                 if action.kind == BACKWARD and (action.mb + 1) % interval == 0:
-                    out.append(Action(STEP, action.chunk, action.mb))
+                    out.append(Action(STAGE_STEP, action.chunk, action.mb))
             orders.append(out)
         return orders
 
@@ -91,7 +91,7 @@ class AsyncOneFOneB(AsynchronousSchedule):
                     out.append(Action(FORWARD, k, warm + j))
                 out.append(Action(BACKWARD, k, j))
                 if (j + 1) % interval == 0 or (part == "drain" and j == count - 1):
-                    out.append(Action(STEP, k, j))
+                    out.append(Action(STAGE_STEP, k, j))
             orders.append(out)
         return orders
 
@@ -160,7 +160,7 @@ class AsyncOneFOneB(AsynchronousSchedule):
                         peak = max(peak, 2)
                 elif kind == BACKWARD:
                     del inflight[mb]
-                elif kind == STEP:
+                elif kind == STAGE_STEP:
                     steps += 1
                 if self.weight_policy == "stash":
                     peak = max(peak, len(set(inflight.values()) | {steps}))
@@ -268,7 +268,7 @@ def _count_versions(orders: list) -> dict:
                 fwd[mb] = steps
             elif kind == BACKWARD:
                 seen[(chunk, mb)] = (fwd.pop(mb), steps)
-            elif kind == STEP:
+            elif kind == STAGE_STEP:
                 steps += 1
     return seen
 

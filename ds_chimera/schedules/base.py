@@ -44,6 +44,7 @@ class Schedule:
             raise ValueError(f"{self.name}: unknown option {unknown[0]!r}; allowed options: {allowed}")
         self.config = {**self.options, **options}
         self.validate()
+        self.resolve()
         self.placement = self.build_placement()
 
     @property
@@ -60,7 +61,11 @@ class Schedule:
         return any(split_chunks(order) for order in orders)
 
     def validate(self) -> None:
-        """Raise ValueError for options that cannot work with these stages and micro-batches."""
+        """Raise ValueError for options that cannot work with these stages and micro-batches (checks only)."""
+
+    def resolve(self) -> None:
+        """Settle what the options leave to the schedule (Chimera's ``order="auto"`` searches its orders);
+        runs after :meth:`validate`, before the placement is built."""
 
     def build_placement(self) -> Placement:
         raise NotImplementedError

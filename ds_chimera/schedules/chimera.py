@@ -80,9 +80,15 @@ class Chimera(Schedule):
                                  f"{self.order!r} is named; drop one of them")
         if not isinstance(self.config["recompute"], bool):
             raise ValueError(f"chimera: recompute must be true or false, got {self.config['recompute']!r}")
-        if self.order == "auto":
-            self.order, self._chosen = self._choose(self.stages, self.micro_batches, self.pipelines,
-                                                    self.config["costs"], limit, self.config["recompute"])
+
+    def resolve(self) -> None:
+        """``order="auto"``: the order search (:meth:`_choose`); ``self.order`` becomes the chosen one, and
+        ``auto_candidate`` holds the candidate schedule it priced, whose placement and orders are reused."""
+        self.auto_candidate = None
+        if self.stages > 1 and self.order == "auto":
+            self.order, self.auto_candidate = self._choose(
+                self.stages, self.micro_batches, self.pipelines, self.config["costs"],
+                self.config["max_activations"], self.config["recompute"])
 
     def _validate_one_stage(self) -> None:
         """One stage (a 1-stage PipelineModule: pure data parallelism). Both pipelines' replicas would be
@@ -152,9 +158,8 @@ class Chimera(Schedule):
     def build_placement(self):
         if self.stages == 1:
             return linear_placement(1, self.micro_batches)
-        chosen = getattr(self, "_chosen", None)
-        if chosen is not None:
-            return chosen.placement
+        if self.auto_candidate is not None:
+            return self.auto_candidate.placement
         mb_replica = [0] * self.micro_batches
         for slot, pipe in zip(self.slots(), self.slot_pipelines()):
             for mb in slot:
@@ -165,10 +170,9 @@ class Chimera(Schedule):
     def build_orders(self):
         if self.stages == 1:
             return one_f_one_b_orders(self.placement, 0, list(range(self.micro_batches)))
-        chosen = getattr(self, "_chosen", None)
-        if chosen is not None:
-            self._chosen = None
-            return chosen.orders
+        if self.auto_candidate is not None:
+            candidate, self.auto_candidate = self.auto_candidate, None     # used once: not kept with the schedule
+            return candidate.orders
         d, pipes = self.stages, 2 * self.pipelines
         if self.order == "zero-bubble":
             return fastest_list_schedule(self.placement, [float(d)] * d, f"{self.name} order=zero-bubble",

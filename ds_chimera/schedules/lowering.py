@@ -13,8 +13,8 @@ import gc
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
-from .actions import (ACT, BACKWARD_KINDS, FORWARD, GRAD, GRADIENT_KINDS, STEP, Action, ClipGrads, ClipScope,
-                      CommBatch, GradSync, Message, OptimizerStep, SyncWait)
+from .actions import (ACT, BACKWARD_KINDS, FORWARD, GRAD, GRADIENT_KINDS, STAGE_STEP, Action, Clip, ClipScope,
+                      Comm, SyncStart, Message, Step, SyncWait)
 from .placement import Placement
 from .program_io import dump_program, parse_program
 
@@ -25,7 +25,7 @@ class Program:
 
     name: str
     placement: Placement
-    ops: list            # ops[rank] -> [Action | CommBatch | GradSync | SyncWait | ClipGrads | OptimizerStep]
+    ops: list            # ops[rank] -> [Action | Comm | SyncStart | SyncWait | Clip | Step]
     synchronous: bool = True
     weights: list | None = None   # weight copies per rank, where the schedule knows more than the placement
 
@@ -92,7 +92,7 @@ def without_global_clip(program: Program) -> Program:
     nothing. Removing a collective leaves every rank's work and messages as they were, so a
     program the simulator accepted stays complete and deadlock-free.
     """
-    ops = [[op for op in rank_ops if not (type(op) is ClipGrads and op.scope == ClipScope.GLOBAL)]
+    ops = [[op for op in rank_ops if not (type(op) is Clip and op.scope == ClipScope.GLOBAL)]
            for rank_ops in program.ops]
     return replace(program, ops=ops)
 
@@ -144,7 +144,7 @@ def _lower_rank(placement: Placement, links: list, rank: int, order: list, synch
     pending_sends: tuple = ()
     points = sync_points(placement, rank, order) if synchronous else {}
     for stage in points.get(-1, ()):
-        ops.append(GradSync(stage, placement.stage_group(stage)))
+        ops.append(SyncStart(stage, placement.stage_group(stage)))
 
     append = ops.append
     for i, action in enumerate(order):
@@ -159,30 +159,40 @@ def _lower_rank(placement: Placement, links: list, rank: int, order: list, synch
             sends = () if prev is None else (Message(GRAD, chunk, prev, mb),)
         else:
             recvs = sends = ()
-        if kind == STEP:
+        if kind == STAGE_STEP:
             stage = placement.chunks[action.chunk].stage
             if pending_sends:
-                ops.append(CommBatch(pending_sends, ()))
+                ops.append(Comm(pending_sends, ()))
                 pending_sends = ()
-            ops.append(GradSync(stage, placement.stage_group(stage)))
+            ops.append(SyncStart(stage, placement.stage_group(stage)))
             ops.append(SyncWait((stage,)))
-            ops.append(ClipGrads(ClipScope.STAGE, stage))
+            ops.append(Clip(ClipScope.STAGE, stage))
         elif pending_sends or recvs:
-            append(CommBatch(pending_sends, recvs))
+            append(Comm(pending_sends, recvs))
             pending_sends = ()
         append(action)
         pending_sends = sends
         if i in points:
             if pending_sends:
-                ops.append(CommBatch(pending_sends, ()))
+                ops.append(Comm(pending_sends, ()))
                 pending_sends = ()
             for stage in points[i]:
-                ops.append(GradSync(stage, placement.stage_group(stage)))
+                ops.append(SyncStart(stage, placement.stage_group(stage)))
     if pending_sends:
-        ops.append(CommBatch(pending_sends, ()))
+        ops.append(Comm(pending_sends, ()))
     if synchronous:
         chunks = tuple(placement.chunks_on(rank))
         ops.append(SyncWait(tuple(sorted({placement.chunks[c].stage for c in chunks}))))
-        ops.append(ClipGrads(ClipScope.GLOBAL))
-        ops.append(OptimizerStep(chunks))
+        ops.append(Clip(ClipScope.GLOBAL))
+        ops.append(Step(chunks))
     return ops
+
+
+def lower_forward_only(name: str, placement: Placement, orders: list) -> Program:
+    """The forwards of ``orders`` with their messages: an eval program (no gradients: no syncs, no step).
+
+    It is not simulated (the simulator proves training programs, which end every micro-batch with its
+    backward), and needs no proof of its own: its dependencies are a subset of the proven training
+    program's (each forward waits only on earlier forwards; sends never block), so it cannot deadlock."""
+    forwards = [[a for a in order if a.kind == FORWARD] for order in orders]
+    return lower(name, placement, forwards, synchronous=False)

@@ -26,10 +26,10 @@ counts them, and the simulator prices them.
 """
 from __future__ import annotations
 
-from .actions import GRADIENT_KINDS, STEP, Action, CommBatch, Gather, GradSync, Release, SyncWait
+from .actions import GRADIENT_KINDS, STAGE_STEP, Action, Comm, Gather, SyncStart, Release, SyncWait
 from .lowering import Program
 
-ZERO_STAGES = (2, 3)
+SHARDED_ZERO_STAGES = (2, 3)
 
 
 def uses(order: list) -> list:
@@ -56,9 +56,9 @@ def _segments(order: list, zero: int, reshard_after_forward: bool) -> list:
 
 def shard(program: Program, zero: int, reshard_after_forward: bool = True) -> Program:
     """``program`` with the GATHER and RELEASE ops of ZeRO stage ``zero`` (2 or 3)."""
-    if zero not in ZERO_STAGES:
-        raise ValueError(f"sharding: ZeRO stage must be one of {ZERO_STAGES}, got {zero!r}")
-    if any(type(op) is Action and op.kind == STEP for ops in program.ops for op in ops):
+    if zero not in SHARDED_ZERO_STAGES:
+        raise ValueError(f"sharding: ZeRO stage must be one of {SHARDED_ZERO_STAGES}, got {zero!r}")
+    if any(type(op) is Action and op.kind == STAGE_STEP for ops in program.ops for op in ops):
         raise ValueError(f"sharding: {program.name!r} is asynchronous; its stages step alone, each needing its "
                          f"whole optimizer state")
     ops = []
@@ -71,7 +71,7 @@ def shard(program: Program, zero: int, reshard_after_forward: bool = True) -> Pr
             # posted before the previous compute action (at the start for the first): one ahead;
             # and before the receives that feed that action, so it does not wait behind them
             anchor = compute[first - 1] if first > 0 else (compute[0] if compute else len(rank_ops))
-            while anchor > 0 and type(rank_ops[anchor - 1]) is CommBatch:
+            while anchor > 0 and type(rank_ops[anchor - 1]) is Comm:
                 anchor -= 1
             before.setdefault(anchor, []).append(Gather(chunk))
             if release:
@@ -93,7 +93,7 @@ def _grad_waits(rank_ops: list) -> list:
     chunk's first weight-gradient action."""
     waits, pending, started = [], set(), set()
     for i, op in enumerate(rank_ops):
-        if type(op) is GradSync:
+        if type(op) is SyncStart:
             pending.add(op.stage)
         elif type(op) is SyncWait:
             pending -= set(op.stages)

@@ -19,7 +19,7 @@ def plot_gantt(records, placement, path: str, title: str = "") -> None:
     num_ranks = placement.num_ranks
     num_mbs = max(placement.num_micro_batches, 1)
     cmap = plt.get_cmap("tab20" if num_mbs > 10 else "tab10")
-    hatch = {Kind.FORWARD: "", Kind.BACKWARD: "//", Kind.INPUT_GRAD: "..", Kind.WEIGHT_GRAD: "xx", Kind.STEP: ""}
+    hatch = {Kind.FORWARD: "", Kind.BACKWARD: "//", Kind.INPUT_GRAD: "..", Kind.WEIGHT_GRAD: "xx", Kind.STAGE_STEP: ""}
     arrows = {}
     if placement.num_replicas > 1:
         for replica, ranks in enumerate(placement.stage_ranks):

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from ..schedules.actions import (BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, Action, ClipGrads, ClipScope,
-                                 CommBatch, Gather, GradSync, OptimizerStep, Release, SyncWait)
+from ..schedules.actions import (BACKWARD, FORWARD, INPUT_GRAD, STAGE_STEP, WEIGHT_GRAD, Action, Clip, ClipScope,
+                                 Comm, Gather, SyncStart, Step, Release, SyncWait)
 from ..schedules.costs import Costs, StageCosts
 from ..schedules.lowering import Program, gc_paused
 
@@ -143,7 +143,7 @@ class _Simulation:
             self.act = [stage_costs.activations[s] for s in stages]
         self.kinds = {FORWARD: (self.f_end, times(FORWARD), _F), BACKWARD: (self.b_end, times(BACKWARD), _B),
                       INPUT_GRAD: (self.i_end, times(INPUT_GRAD), _I),
-                      WEIGHT_GRAD: (self.w_end, times(WEIGHT_GRAD), _W), STEP: (s_end, [costs.step * size] * nch, _S)}
+                      WEIGHT_GRAD: (self.w_end, times(WEIGHT_GRAD), _W), STAGE_STEP: (s_end, [costs.step * size] * nch, _S)}
         self.got_act, self.got_grad = bytearray(nch * num_mbs), bytearray(nch * num_mbs)   # received by the consumer
         self.messages: dict = {}            # Message -> arrival time
         self.edge_sent = defaultdict(list)  # (kind, src, dst) -> micro-batches in send order
@@ -161,7 +161,7 @@ class _Simulation:
         self.clip_round = [0] * num_ranks                    # global clips each rank has reached
         self.clip_posted = [-1] * num_ranks                  # op index of the rank's current global clip
         self.clip_arrivals: dict = {}                        # clip round -> {rank: arrival time}
-        self.stepped = [set() for _ in range(num_ranks)]     # chunks each rank stepped with an OptimizerStep
+        self.stepped = [set() for _ in range(num_ranks)]     # chunks each rank stepped with a Step
         self.sharded = any(type(op) is Gather for ops in program.ops for op in ops)
         self.resident = [dict() for _ in range(num_ranks)]   # sharded: chunk -> time its gathered weights are there
         self.gathers, self.gathered_peak = [0] * num_ranks, [0.0] * num_ranks
@@ -179,8 +179,8 @@ class _Simulation:
 
     def handlers(self) -> dict:
         """Op type -> its handler, as the executor's ``StepRun.handlers`` (built per run: no reference cycle)."""
-        return {Action: self._action, CommBatch: self._comm, GradSync: self._grad_sync, SyncWait: self._sync_wait,
-                ClipGrads: self._clip, OptimizerStep: self._step, Gather: self._gather, Release: self._release}
+        return {Action: self._action, Comm: self._comm, SyncStart: self._grad_sync, SyncWait: self._sync_wait,
+                Clip: self._clip, Step: self._step, Gather: self._gather, Release: self._release}
 
     def error(self, msg) -> None:
         if len(self.errors) < self.max_errors:
@@ -285,7 +285,7 @@ class _Simulation:
             if self.i_end[idx] is None:
                 self.error(f"rank {r}: {op} runs before its input-grad")
             self.live[r] -= self.act[c]
-        else:   # STEP: one chunk's optimizer step, after a SYNC_WAIT of its stage
+        else:   # STAGE_STEP: one chunk's optimizer step, after a SYNC_WAIT of its stage
             if self.b_end[idx] is None and self.w_end[idx] is None:
                 self.error(f"rank {r}: {op} steps before micro-batch {mb}'s gradient exists")
             stage = self.chunk_stage[c]
@@ -462,11 +462,11 @@ class _Simulation:
 def _describe_wait(program, rank, index, messages, sync_posts, sync_groups) -> str:
     op = program.ops[rank][index]
     placement = program.placement
-    if type(op) is CommBatch:
+    if type(op) is Comm:
         missing = [m for m in op.recvs if m not in messages]
         return "; ".join(f"waits for {m.kind} of micro-batch {m.mb} from chunk {m.src} "
                          f"on rank {placement.rank_of(m.src)}" for m in missing) or "waits in a comm batch"
-    if type(op) is ClipGrads:
+    if type(op) is Clip:
         return f"op {index} ({op}) waits for every rank to reach its global clip"
     if type(op) in (SyncWait, Action):
         waits = [f"stage {stage} sync from ranks {sorted(set(sync_groups[(stage, n)]) - set(posts))}"

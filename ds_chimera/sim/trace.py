@@ -7,10 +7,10 @@ reads a measured rank's host time between actions against its program.
 from __future__ import annotations
 
 from ..atomic import write_json_atomic
-from ..schedules.actions import Action, CommBatch, Kind
+from ..schedules.actions import Action, Comm, Kind
 
 KIND_NAMES = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.INPUT_GRAD: "input-grad",
-              Kind.WEIGHT_GRAD: "weight-grad", Kind.STEP: "step"}
+              Kind.WEIGHT_GRAD: "weight-grad", Kind.STAGE_STEP: "step"}
 
 
 def trace_events(records, placement=None, time_unit_us: float = 1000.0, label: str = "sim") -> list:
@@ -46,7 +46,7 @@ def free_gaps(rank_ops, records) -> list:
         if type(op) is not Action:
             between.append(op)
             continue
-        if 0 <= done < len(records) - 1 and all(type(o) is CommBatch and not o.recvs for o in between):
+        if 0 <= done < len(records) - 1 and all(type(o) is Comm and not o.recvs for o in between):
             gaps.append((done + 1, records[done + 1][4] - records[done][5], sum(len(o.sends) for o in between)))
         done, between = done + 1, []
     return gaps
