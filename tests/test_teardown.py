@@ -80,3 +80,37 @@ def test_a_held_send_outlives_its_poster_and_the_exit(tmp_path, how):
     receiver = results[1][1]
     assert ("RECEIVED 7.0" in receiver) == (how == "held"), (receiver, results[1][2][-2000:])
     assert ("LOST" in receiver) == (how == "dropped"), receiver
+
+
+CHILDREN_SCRIPT = r"""
+import multiprocessing as mp, sys
+from ds_chimera.runtime import exit_codes
+if __name__ == "__main__":
+    queue = mp.get_context("spawn").Manager().Queue()      # as Megatron's async checkpoint writer makes one
+    worker = mp.get_context("spawn").Process(target=__import__("time").sleep, args=(600,))
+    worker.start()
+    print(" ".join(str(p.pid) for p in mp.active_children()), flush=True)
+    exit_codes.flush_and_exit("ending", 3)
+"""
+
+
+def test_an_ended_process_leaves_no_multiprocessing_child(tmp_path):
+    """The fault monitor ends a process with os._exit (after a failure), which skips multiprocessing's exit
+    handler: a Manager's server and a busy child must still end with it, not linger as orphans."""
+    import os
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "children.py"
+    script.write_text(CHILDREN_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 3 and "ending" in proc.stderr, proc.stderr[-2000:]
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in pids):
+        time.sleep(0.2)
+    left = [pid for pid in pids if os.path.exists(f"/proc/{pid}") and
+            open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+    assert not left, f"children still running after their parent ended: {left}"

@@ -2,12 +2,15 @@
 
 After a failure the process cannot go through the interpreter's normal exit (destroying process
 groups with unmatched messages aborts in C++), so it ends with ``os._exit``; these keep the exit code
-a script's own ``sys.exit`` requested, and flush what was printed first.
+a script's own ``sys.exit`` requested, flush what was printed first, and end the process's
+multiprocessing children first: ``os._exit`` skips multiprocessing's own exit handler, so a Manager's
+server (Megatron's async checkpoint writer starts one) or a pool's workers would outlive the process.
 """
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 EXIT_CODES = {"code": 0}
 
@@ -42,5 +45,27 @@ def flush_and_exit(message: str, code: int = 1) -> None:
         if message:
             sys.stderr.write(message + "\n")
         sys.stderr.flush()
+        end_child_processes()
     finally:
         os._exit(code)
+
+
+def end_child_processes(timeout_s: float = 2.0) -> None:
+    """What multiprocessing's exit handler would do, bounded: managers shut down (their finalizers), then
+    every child still running terminated, and killed if it has not ended within ``timeout_s``."""
+    if "multiprocessing" not in sys.modules:
+        return
+    try:
+        import multiprocessing
+        from multiprocessing import util
+        util._run_finalizers(0)            # a Manager's shutdown (it terminates a server that does not stop)
+        children = multiprocessing.active_children()
+        for child in children:
+            child.terminate()
+        deadline = time.monotonic() + timeout_s
+        for child in children:
+            child.join(max(0.0, deadline - time.monotonic()))
+            if child.is_alive():
+                child.kill()
+    except Exception:       # the process ends either way; nothing here may keep it alive
+        pass
