@@ -152,7 +152,7 @@ def cmd_simulate(args) -> int:
     if args.plot:
         from .sim.plot import plot_gantt
         plot_gantt(result.records, schedule.placement, args.plot,
-                   title=f"{schedule.name} D={schedule.stages} N={schedule.micro_batches}"
+                   title=f"{schedule.name} D={schedule.ranks} N={schedule.micro_batches}"
                          f"{' order=' + schedule.order if 'order' in schedule.options else ''}: "
                          f"makespan {result.makespan:g}, bubble {result.bubble_ratio:.3f}")
     if not args.json:

@@ -107,7 +107,7 @@ PLUGIN = textwrap.dedent('''
         summary = "1F1B, last micro-batch first (a plugin)"
 
         def build_placement(self):
-            return linear_placement(self.stages, self.micro_batches)
+            return linear_placement(self.ranks, self.micro_batches)
 
         def build_orders(self):
             return one_f_one_b_orders(self.placement, 0, list(range(self.micro_batches))[::-1])

@@ -327,16 +327,16 @@ def expected_versions(schedule, calls):
     """
     if schedule.synchronous:
         return {(kind, k, mb, call): call for call in range(calls) for kind in "FB"
-                for k in range(schedule.stages) for mb in range(schedule.micro_batches)}
+                for k in range(schedule.ranks) for mb in range(schedule.micro_batches)}
     cfg = schedule.config
-    return model.probe_versions(schedule.name, schedule.stages, schedule.micro_batches, calls,
+    return model.probe_versions(schedule.name, schedule.ranks, schedule.micro_batches, calls,
                                 cfg.get("update_interval"), cfg.get("steps_ahead", "paper"))
 
 
 def observed_versions(log, schedule):
     """The probes' readings as versions: an update of G accumulated micro-batches adds G."""
     per_update = schedule.micro_batches if schedule.synchronous else \
-        model.default_interval(schedule.name, schedule.stages, schedule.config.get("update_interval"))
+        model.default_interval(schedule.name, schedule.ranks, schedule.config.get("update_interval"))
     seen, count = {}, {}
     for kind, chunk, mb, value in log:
         call = count.get((kind, chunk, mb), 0)

@@ -65,7 +65,7 @@ def proven_programs(schedule: Schedule) -> tuple:
     program = schedule.lower()
     proof = simulate(program)
     if not proof.valid:
-        raise ValueError(f"schedule {schedule.name!r} is invalid for stages={schedule.stages}, "
+        raise ValueError(f"schedule {schedule.name!r} is invalid for stages={schedule.ranks}, "
                          f"micro_batches={schedule.micro_batches}: "
                          f"{(proof.errors or list(proof.deadlock.values()))[:3]}")
     eval_program = lower_forward_only(schedule.name + "-eval", schedule.placement, schedule.orders)
@@ -112,7 +112,7 @@ def with_micro_batches(plan: Plan, micro_batches: int, what: str) -> Plan:
     (``set_train_batch_size``, ``eval_batch(num_micro_batches=)``). ``what`` names the caller's argument
     in the error a count the schedule cannot run raises."""
     try:
-        schedule = plan.config.build_schedule(plan.schedule.stages, micro_batches)
+        schedule = plan.config.build_schedule(plan.schedule.ranks, micro_batches)
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from exc
     if schedule.placement.chunks != plan.placement.chunks:

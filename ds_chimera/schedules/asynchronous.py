@@ -54,7 +54,7 @@ class AsyncOneFOneB(AsynchronousSchedule):
         return self.config.get("fill", "call") == "continuous"
 
     def build_placement(self):
-        return linear_placement(self.stages, self.micro_batches)
+        return linear_placement(self.ranks, self.micro_batches)
 
     def build_orders(self):
         interval = self.update_interval()
@@ -79,7 +79,7 @@ class AsyncOneFOneB(AsynchronousSchedule):
         """
         if part not in PARTS:
             raise ValueError(f"part must be one of {', '.join(PARTS)}, got {part!r}")
-        n, depth, interval = self.micro_batches, self.stages, self.update_interval()
+        n, depth, interval = self.micro_batches, self.ranks, self.update_interval()
         count = depth - 1 if part == "drain" else n
         orders = []
         for k in range(depth):
@@ -98,7 +98,7 @@ class AsyncOneFOneB(AsynchronousSchedule):
     def unrolled_orders(self, calls: int) -> list:
         """first + (calls - 1) x steady + drain, in global ids: what the simulator proves."""
         n, parts = self.micro_batches, ["first"] + ["steady"] * (calls - 1) + ["drain"]
-        orders = [[] for _ in range(self.stages)]
+        orders = [[] for _ in range(self.ranks)]
         for call, part in enumerate(parts):
             for rank, order in enumerate(self.part_orders(part)):
                 orders[rank] += [Action(kind, chunk, mb + call * n) for kind, chunk, mb in order]
@@ -106,12 +106,12 @@ class AsyncOneFOneB(AsynchronousSchedule):
 
     def part_program(self, part: str):
         """One call's lowered program (call-local micro-batch ids, D-1 of them beyond N)."""
-        placement = linear_placement(self.stages, self.micro_batches + self.stages - 1)
+        placement = linear_placement(self.ranks, self.micro_batches + self.ranks - 1)
         return lower(f"{self.name}-{part}", placement, self.part_orders(part), synchronous=False)
 
     def unrolled_program(self, calls: int):
         """The lowered first + steady... + drain run over calls * N + D - 1 mini-batches, for the simulator."""
-        placement = linear_placement(self.stages, calls * self.micro_batches + self.stages - 1)
+        placement = linear_placement(self.ranks, calls * self.micro_batches + self.ranks - 1)
         return lower(self.name, placement, self.unrolled_orders(calls), synchronous=False)
 
     def part_steps_ahead(self) -> dict:
@@ -194,7 +194,7 @@ class PipeDream2BW(AsyncOneFOneB):
 
     def update_interval(self) -> int:
         value = self.config["update_interval"]
-        return self.stages if value is None else value
+        return self.ranks if value is None else value
 
     def validate(self):
         if self.config["update_interval"] is not None:
@@ -202,7 +202,7 @@ class PipeDream2BW(AsyncOneFOneB):
         super().validate()
         if self.continuous:
             raise ValueError(f"{self.name}: fill='continuous' is not supported: its drain would end on a partial "
-                             f"update of {self.stages - 1} micro-batches; use fill='call'")
+                             f"update of {self.ranks - 1} micro-batches; use fill='call'")
 
 
 class PipeOptim(AsyncOneFOneB):

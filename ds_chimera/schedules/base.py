@@ -16,7 +16,11 @@ from .placement import Placement
 
 
 class Schedule:
-    """Base class. Subclasses set ``name``, ``summary``, ``options`` and build the data."""
+    """Base class. Subclasses set ``name``, ``summary``, ``options`` and build the data.
+
+    Built from ``stages`` in DeepSpeed's sense (a PipelineModule's ``num_stages``: the pipeline's ranks),
+    kept as ``self.ranks`` (D); the model stages the schedule cuts are its placement's
+    (``placement.num_stages``: D for 1F1B, 2D for the V schedules, V*D for looped ones)."""
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
@@ -36,7 +40,7 @@ class Schedule:
         return schedule
 
     def _configure(self, stages: int, micro_batches: int, options: dict) -> None:
-        self.stages = check_int(self.name, "stages", stages, 1)
+        self.ranks = check_int(self.name, "stages", stages, 1)      # pipeline ranks D (DeepSpeed's num_stages)
         self.micro_batches = check_int(self.name, "micro_batches", micro_batches, 1)
         unknown = sorted(set(options) - set(self.options))
         if unknown:
@@ -84,7 +88,7 @@ class Schedule:
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
-        return f"{type(self).__name__}(stages={self.stages}, micro_batches={self.micro_batches}{', ' if opts else ''}{opts})"
+        return f"{type(self).__name__}(stages={self.ranks}, micro_batches={self.micro_batches}{', ' if opts else ''}{opts})"
 
 
 class AsynchronousSchedule(Schedule, ABC):

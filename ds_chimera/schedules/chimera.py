@@ -52,7 +52,7 @@ class Chimera(Schedule):
     options = {"pipelines": 1, "order": "auto", "costs": None, "max_activations": None, "recompute": False}
 
     def validate(self):
-        d = self.stages
+        d = self.ranks
         if d == 1:
             self._validate_one_stage()
             return
@@ -85,9 +85,9 @@ class Chimera(Schedule):
         """``order="auto"``: the order search (:meth:`_choose`); ``self.order`` becomes the chosen one, and
         ``auto_candidate`` holds the candidate schedule it priced, whose placement and orders are reused."""
         self.auto_candidate = None
-        if self.stages > 1 and self.order == "auto":
+        if self.ranks > 1 and self.order == "auto":
             self.order, self.auto_candidate = self._choose(
-                self.stages, self.micro_batches, self.pipelines, self.config["costs"],
+                self.ranks, self.micro_batches, self.pipelines, self.config["costs"],
                 self.config["max_activations"], self.config["recompute"])
 
     def _validate_one_stage(self) -> None:
@@ -132,7 +132,7 @@ class Chimera(Schedule):
 
     # -- placement -----------------------------------------------------------------
     def stage_ranks(self) -> list:
-        d, f = self.stages, self.pipelines
+        d, f = self.ranks, self.pipelines
         shift = d // f
         down = [[(i + k * shift) % d for i in range(d)] for k in range(f)]
         up = [[(d - 1 - i + k * shift) % d for i in range(d)] for k in range(f)]
@@ -146,7 +146,7 @@ class Chimera(Schedule):
 
     def slot_pipelines(self) -> list:
         """The pipeline (replica) of each slot."""
-        num_slots, p, d = len(self.slots()), 2 * self.pipelines, self.stages
+        num_slots, p, d = len(self.slots()), 2 * self.pipelines, self.ranks
         if self.order == "merged":
             return [s % p for s in range(num_slots)]
         out = []
@@ -156,7 +156,7 @@ class Chimera(Schedule):
         return out
 
     def build_placement(self):
-        if self.stages == 1:
+        if self.ranks == 1:
             return linear_placement(1, self.micro_batches)
         if self.auto_candidate is not None:
             return self.auto_candidate.placement
@@ -164,16 +164,16 @@ class Chimera(Schedule):
         for slot, pipe in zip(self.slots(), self.slot_pipelines()):
             for mb in slot:
                 mb_replica[mb] = pipe
-        return Placement(self.stages, self.stages, self.stage_ranks(), mb_replica)
+        return Placement(self.ranks, self.ranks, self.stage_ranks(), mb_replica)
 
     # -- order -----------------------------------------------------------------
     def build_orders(self):
-        if self.stages == 1:
+        if self.ranks == 1:
             return one_f_one_b_orders(self.placement, 0, list(range(self.micro_batches)))
         if self.auto_candidate is not None:
             candidate, self.auto_candidate = self.auto_candidate, None     # used once: not kept with the schedule
             return candidate.orders
-        d, pipes = self.stages, 2 * self.pipelines
+        d, pipes = self.ranks, 2 * self.pipelines
         if self.order == "zero-bubble":
             return fastest_list_schedule(self.placement, [float(d)] * d, f"{self.name} order=zero-bubble",
                                          late_chunk_first=(True, False))
@@ -209,7 +209,7 @@ class Chimera(Schedule):
         one and backwards of the other differ in parity or by D/2 micro-batches), which is
         why Chimera's merge is conflict-free for even D.
         """
-        d = self.stages
+        d = self.ranks
         ranks = self.stage_ranks()[pipe]
         if self.order != "merged":
             return [(t, kind, s, k, ranks[s]) for s in range(d) for k in range(n)

@@ -36,12 +36,12 @@ class GPipe(Schedule):
     summary = "all forwards then all backwards; bubble (D-1)/(N+D-1), N activations per rank"
 
     def build_placement(self):
-        return linear_placement(self.stages, self.micro_batches)
+        return linear_placement(self.ranks, self.micro_batches)
 
     def build_orders(self):
         mbs = range(self.micro_batches)
         return [[Action(FORWARD, rank, mb) for mb in mbs] + [Action(BACKWARD, rank, mb) for mb in mbs]
-                for rank in range(self.stages)]
+                for rank in range(self.ranks)]
 
 
 class OneFOneB(Schedule):
@@ -55,7 +55,7 @@ class OneFOneB(Schedule):
     summary = "one-forward-one-backward; bubble (D-1)/(N+D-1), D..1 activations per rank"
 
     def build_placement(self):
-        return linear_placement(self.stages, self.micro_batches)
+        return linear_placement(self.ranks, self.micro_batches)
 
     def build_orders(self):
         return one_f_one_b_orders(self.placement, 0, list(range(self.micro_batches)))

@@ -17,18 +17,18 @@ class DualPipeV(Schedule):
     summary = "DeepSpeed's DualPipeV order: V-shape, 2 chunks per rank, needs N >= 2D"
 
     def validate(self):
-        if self.micro_batches < 2 * self.stages:
-            raise ValueError(f"dualpipev needs micro_batches >= 2 * stages = {2 * self.stages}, "
+        if self.micro_batches < 2 * self.ranks:
+            raise ValueError(f"dualpipev needs micro_batches >= 2 * stages = {2 * self.ranks}, "
                              f"got {self.micro_batches}")
 
     def build_placement(self):
-        return vshape_placement(self.stages, self.micro_batches)
+        return vshape_placement(self.ranks, self.micro_batches)
 
     def build_orders(self):
-        return [self._rank_order(rank) for rank in range(self.stages)]
+        return [self._rank_order(rank) for rank in range(self.ranks)]
 
     def _rank_order(self, rank: int) -> list:
-        d, n = self.stages, self.micro_batches
+        d, n = self.ranks, self.micro_batches
         chunk = (rank, 2 * d - 1 - rank)
         counts = {FORWARD: [0, 0], BACKWARD: [0, 0]}
         out = []

@@ -21,7 +21,7 @@ class ProgramSchedule(Schedule):
 
     def __init__(self, program: Program, source: str = "<program>"):
         self.program, self.source = program, source
-        self.stages = program.num_ranks
+        self.ranks = program.num_ranks
         self.micro_batches = program.placement.num_micro_batches
         self.config = {}
         self.placement = program.placement
@@ -48,4 +48,4 @@ class ProgramSchedule(Schedule):
         return self.program
 
     def __repr__(self) -> str:
-        return f"ProgramSchedule({self.source!r}, stages={self.stages}, micro_batches={self.micro_batches})"
+        return f"ProgramSchedule({self.source!r}, stages={self.ranks}, micro_batches={self.micro_batches})"

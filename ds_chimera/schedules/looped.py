@@ -13,10 +13,10 @@ class _Looped(Schedule):
         self.chunks = check_int(self.name, "chunks", self.config["chunks"], 1)
 
     def build_placement(self):
-        return looped_placement(self.stages, self.chunks, self.micro_batches)
+        return looped_placement(self.ranks, self.chunks, self.micro_batches)
 
     def chunk(self, rank: int, v: int) -> int:
-        return v * self.stages + rank   # chunk index == stage index: one replica
+        return v * self.ranks + rank   # chunk index == stage index: one replica
 
 
 class Interleaved(_Looped):
@@ -31,14 +31,14 @@ class Interleaved(_Looped):
 
     def validate(self):
         super().validate()
-        if self.micro_batches % self.stages:
+        if self.micro_batches % self.ranks:
             raise ValueError(f"interleaved needs micro_batches to be a multiple of stages "
-                             f"({self.stages}), got {self.micro_batches}: set DeepSpeed's "
+                             f"({self.ranks}), got {self.micro_batches}: set DeepSpeed's "
                              f"gradient_accumulation_steps (Megatron's num_microbatches) to a multiple of "
-                             f"{self.stages}, or use breadth-first, which takes any number")
+                             f"{self.ranks}, or use breadth-first, which takes any number")
 
     def build_orders(self):
-        d, v, n = self.stages, self.chunks, self.micro_batches
+        d, v, n = self.ranks, self.chunks, self.micro_batches
         total = n * v
 
         def action(kind, rank, k):
@@ -73,7 +73,7 @@ class BreadthFirst(_Looped):
     def build_orders(self):
         mbs = range(self.micro_batches)
         orders = []
-        for rank in range(self.stages):
+        for rank in range(self.ranks):
             out = [Action(FORWARD, self.chunk(rank, v), mb) for v in range(self.chunks) for mb in mbs]
             out += [Action(BACKWARD, self.chunk(rank, v), mb)
                     for v in reversed(range(self.chunks)) for mb in mbs]

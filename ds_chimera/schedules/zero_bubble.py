@@ -22,10 +22,10 @@ class ZBH1(Schedule):
     summary = "zero-bubble H1: split backward, 1F1B memory; about 1/3 of 1F1B's bubble"
 
     def build_placement(self):
-        return linear_placement(self.stages, self.micro_batches)
+        return linear_placement(self.ranks, self.micro_batches)
 
     def build_orders(self):
-        d, n = self.stages, self.micro_batches
+        d, n = self.ranks, self.micro_batches
         orders = []
         for rank in range(d):
             warmup, lag = min(d - 1 - rank, n), rank
@@ -57,7 +57,7 @@ class ZBV(Schedule):
     summary = "zero-bubble V: V-shape, 2 chunks per rank, split backward; near 0 bubble for N >= 2D"
 
     def build_placement(self):
-        return vshape_placement(self.stages, self.micro_batches)
+        return vshape_placement(self.ranks, self.micro_batches)
 
     def build_orders(self):
-        return fastest_list_schedule(self.placement, [float(self.stages)] * self.stages, self.name)
+        return fastest_list_schedule(self.placement, [float(self.ranks)] * self.ranks, self.name)
