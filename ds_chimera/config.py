@@ -82,7 +82,8 @@ class PipelineConfig:
     zero1_reduce: str = "chunk"
     reshard_after_forward: bool = True              # ZeRO-3: release a chunk's gathered weights after forward
     clip: float = 0.0                               # global gradient-norm clipping; 0 is off
-    precision: str = "fp32"                         # "fp32" or "bf16"
+    precision: str = "fp32"                         # "fp32", "bf16" or "fp16"
+    loss_scale: object = None                       # fp16: runtime.loss_scale.LossScaleConfig
     batch: BatchSizes = BatchSizes()
     # "schedule": "auto": the planner's choice with its predicted step and peak memory (reports; not compared)
     planned_by: Mapping | None = field(default=None, compare=False)
@@ -96,6 +97,10 @@ class PipelineConfig:
         return self.precision == "bf16"
 
     @property
+    def fp16(self) -> bool:
+        return self.precision == "fp16"
+
+    @property
     def sharded(self) -> bool:
         """ZeRO-2/3: ds_chimera shards each chunk's weights, gradients and optimizer state itself."""
         return self.zero_stage >= 2
@@ -104,11 +109,11 @@ class PipelineConfig:
     def global_norm(self) -> bool:
         """Whether each synchronous step computes the global gradient norm, a collective of every rank.
 
-        Where the stock engine has one: to clip (``gradient_clipping`` > 0), or with bf16, whose
-        optimizer reports its norm every step. Unclipped fp32 reports none (``get_global_grad_norm()``
+        Where the stock engine has one: to clip (``gradient_clipping`` > 0), or with bf16 or fp16, whose
+        optimizers report their norm every step. Unclipped fp32 reports none (``get_global_grad_norm()``
         is None, as DeepSpeed's), and ZeRO-1's optimizer computes its own.
         """
-        return self.zero_stage != 1 and (self.clip > 0 or self.bf16)
+        return self.zero_stage != 1 and (self.clip > 0 or self.bf16 or self.fp16)
 
     def checkpoint_interval(self, module_interval) -> int:
         """The "pipeline" section's activation_checkpoint_interval, else the PipelineModule's own."""
@@ -189,6 +194,9 @@ class PipelineConfig:
         if zero >= 2 and not sharding:
             raise ValueError(f"ZeRO stage {zero} with pipeline schedules runs on ds_chimera's DeepSpeed engine "
                              f"only; here use stage 0 or 1")
+        if zero and precision == "fp16":
+            raise ValueError(f"fp16 with ZeRO stage {zero} is not supported by ds_chimera schedules yet: use ZeRO "
+                             f"stage 0 with fp16, or bf16 with ZeRO stage {zero}")
         if zero >= 2 and precision == "bf16":
             raise ValueError(f"ZeRO stage {zero} with pipeline schedules shards fp32 weights; bf16 is not supported "
                              f"with it yet: use fp32, or ZeRO stage 0/1 with bf16")
@@ -228,6 +236,7 @@ class PipelineConfig:
             reshard_after_forward=reshard,
             clip=_check_clip(config.get("gradient_clipping", 0.0)),
             precision=precision,
+            loss_scale=_loss_scale(config) if precision == "fp16" else None,
             batch=_batch_sizes(config),
         )
 
@@ -380,16 +389,25 @@ def _check_planner_options(options: dict, where: str = '"pipeline"') -> None:
 
 
 def _precision(config: dict) -> str:
-    """"bf16" or "fp32"; fp16 (loss scaling) is refused."""
+    """"fp16", "bf16" or "fp32"; fp16 through torch_autocast (DeepSpeed's GradScaler path) is refused."""
     fp16 = config.get("fp16") or {}
     autocast = config.get("torch_autocast") or {}
     dtype = str(autocast.get("dtype", ""))
-    fp16_on = fp16.get("enabled") not in (None, False, 0, AUTO)     # "auto": the HF Trainer decides (fp32 here)
-    if fp16_on or (autocast.get("enabled") and "16" in dtype and "bfloat" not in dtype):
-        raise ValueError("fp16 training (loss scaling) is not supported by ds_chimera schedules yet; "
-                         "use bf16 (\"bf16\": {\"enabled\": true}) or fp32")
     bf16 = config.get("bf16") or config.get("bfloat16") or {}
+    fp16_on = fp16.get("enabled") not in (None, False, 0, AUTO)     # "auto": the HF Trainer decides (fp32 here)
+    if autocast.get("enabled") and "16" in dtype and "bfloat" not in dtype:
+        raise ValueError("\"torch_autocast\" with float16 is not supported by ds_chimera schedules; use \"fp16\": "
+                         "{\"enabled\": true} (fp16 weights, fp32 masters, loss scaling) or bf16")
+    if fp16_on and bf16.get("enabled"):
+        raise ValueError('"fp16" and "bf16" are both enabled; enable one of them')
+    if fp16_on:
+        return "fp16"
     return "bf16" if bf16.get("enabled") else "fp32"       # truthy, as DeepSpeed reads it
+
+
+def _loss_scale(config: dict):
+    from .runtime.loss_scale import LossScaleConfig
+    return LossScaleConfig.from_section(config.get("fp16") or {})
 
 
 def _zero_stage(config: dict) -> int:

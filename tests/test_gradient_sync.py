@@ -52,6 +52,33 @@ def test_bf16_reads_and_scales_the_fp32_accumulators():
     assert source.to_sync(lp) == hp and all(p.grad is None for p in lp)     # bf16 grads are never created
 
 
+def test_fp16_syncs_the_scaled_fp16_gradients_and_clips_the_unscaled_fp32_masters():
+    from ds_chimera.runtime.fp16_masters import Fp16MasterOptimizer
+    from ds_chimera.runtime.loss_scale import LossScale, LossScaleConfig
+    layer = nn.Linear(2, 2)
+    opt = Fp16MasterOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1), LossScale(LossScaleConfig(loss_scale=8.0)),
+                              modules=[layer])
+    engine = _engine()
+    engine.optimizer = opt
+    source = GradientSource(engine)
+    params = list(layer.parameters())
+    assert source.fp16 is opt and all(p.dtype == torch.float16 for p in params)
+    for p in params:
+        p.grad = torch.full_like(p, 4.0)                       # scaled by 8, in fp16
+    assert source.to_sync(params) == [p.grad for p in params]   # the sync moves the fp16 gradients
+    assert not opt.unscale(reduce=None)
+    counted = source.counted(params)
+    assert all(g.dtype == torch.float32 and float(g.flatten()[0]) == 0.5 for g in counted)    # 4 / 8
+    assert source.held(layer) == counted
+    for p in params:
+        p.grad[0] = float("inf")
+    assert opt.unscale(reduce=None) and opt.overflow
+    before = [m.clone() for m in opt.param_groups[0]["params"]]
+    opt.step()                                                  # skipped: the masters do not move
+    assert all(torch.equal(a, b) for a, b in zip(before, opt.param_groups[0]["params"]))
+    assert opt.loss_scale.skipped == 1 and opt.scale == 8.0    # a static scale stays
+
+
 def test_plain_gradients_are_created_for_a_sum_and_counted_as_they_are():
     params = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))]
     params[0].grad = torch.full((2,), 3.0)
@@ -141,7 +168,7 @@ chunk, tied = nn.Linear(2, 2), nn.Linear(1, 1)
 for p in chunk.parameters():
     p.grad = torch.full_like(p, float(rank + 1))           # 1 on rank 0, 2 on rank 1
 tied.weight.grad = torch.full_like(tied.weight, 10.0 * (rank + 1))     # tied.bias has no gradient yet
-engine = types.SimpleNamespace(using_bf16_optimizer=False, module=nn.ModuleList([chunk, tied]),
+engine = types.SimpleNamespace(using_bf16_optimizer=False, optimizer=None, module=nn.ModuleList([chunk, tied]),
                                grid=types.SimpleNamespace(get_pipe_parallel_group=lambda: None))
 host = types.SimpleNamespace(engine=engine, dp_size=int(sys.argv[2]), timeout_s=30.0, chunk_modules={0: chunk},
                              stage_chunk={0: 0}, tied_modules={"emb": tied},
@@ -156,6 +183,7 @@ assert sync.pending == []
 with open(f"{sys.argv[1]}.{rank}", "w") as fh:
     json.dump({"chunk": [float(p.grad.flatten()[0]) for p in chunk.parameters()],
                "tied_weight": float(tied.weight.grad.flatten()[0]), "tied_bias": float(tied.bias.grad[0])}, fh)
+dist.destroy_process_group()     # gloo groups alive at exit can abort the process (runtime/teardown.py)
 """
 
 

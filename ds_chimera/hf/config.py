@@ -189,6 +189,9 @@ def resolve(raw, args, world_size: int) -> PipelineSetup:
     _fill_optimizer(config, args)
     # the reconciled config is what runs: parsed once (fp16 / ZeRO, as deepspeed.initialize would refuse them)
     pipeline = PipelineConfig.from_deepspeed(config, sharding=False)
+    if pipeline.fp16:
+        raise ValueError('"fp16": {"enabled": true} with the HF Trainer\'s pipeline is not supported yet (it runs on '
+                         "deepspeed.initialize's scheduled engine): use bf16 (--bf16) or fp32")
     if not pipeline.planned:    # "auto": the planner only picks schedules that build, and the engine re-checks
         pipeline.build_schedule(stages, n)      # the schedule's own limits (N vs D, ZeRO-1 with replicas), now
     return PipelineSetup(config, pipeline, stages, dp, micro, n)

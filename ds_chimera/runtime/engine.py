@@ -59,6 +59,11 @@ class ScheduledPipelineEngine(PipelineEngine):
             # bf16: gradients accumulate in the optimizer's fp32 buffers (immediate_grad_update),
             # and that is what is all-reduced and clipped; its own (partial-norm) clipping is off.
             self.optimizer.clip_grad = 0.0
+        if plan.config.fp16:      # the chunks become fp16, the optimizer steps fp32 masters (runtime/fp16_masters.py)
+            from .fp16_masters import Fp16MasterOptimizer
+            from .loss_scale import LossScale
+            self.optimizer = Fp16MasterOptimizer(self.optimizer, LossScale(plan.config.loss_scale),
+                                                 modules=[*prepared.chunks, prepared.tied])
         self.host = self.host_class(self)
         if self.host.shards is not None:
             self.host.shards.engine_ready()
@@ -201,10 +206,15 @@ class ScheduledPipelineEngine(PipelineEngine):
 
         def post_loss(loss_sum):
             posted.append(self._start_loss_mean(loss_sum, self.micro_batches))
-        self.executor.run(self.plan.program.ops[self.pipe_rank], train=True, scale=1.0 / self.micro_batches,
-                          trace=trace, on_losses=post_loss, device=self.device)
+        self.executor.run(self.plan.program.ops[self.pipe_rank], train=True,
+                          scale=self._loss_scale() / self.micro_batches, trace=trace, on_losses=post_loss,
+                          device=self.device)
         loss_mean, = posted
         return loss_mean()
+
+    def _loss_scale(self) -> float:
+        """fp16: the loss scale each backward starts from (runtime/loss_scale.py); 1 otherwise."""
+        return self.optimizer.scale if self.plan.config.fp16 else 1.0
 
     def _print_progress(self, elapsed: float) -> None:
         """DeepSpeed-style progress line every ``steps_per_print`` train_batch calls."""

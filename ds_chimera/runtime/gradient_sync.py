@@ -25,9 +25,12 @@ from .gradsync import FlatGradAllReduce
 
 
 class GradientSource:
-    """Where the gradient the optimizer reads lives: ``p.grad``, or under bf16 the fp32 accumulator."""
+    """Where the gradient the optimizer reads lives: ``p.grad``; under bf16 the fp32 accumulator; under fp16
+    ``p.grad`` (fp16, scaled) for the sync and the fp32 master's unscaled gradient for the norm and the clip."""
 
     def __init__(self, engine):
+        from .fp16_masters import Fp16MasterOptimizer
+        self.fp16 = engine.optimizer if isinstance(engine.optimizer, Fp16MasterOptimizer) else None
         self.hp_grads = {}        # id(bf16 parameter) -> its fp32 gradient accumulator (bf16 only)
         if engine.using_bf16_optimizer:
             optimizer = engine.optimizer
@@ -55,10 +58,14 @@ class GradientSource:
 
     def counted(self, params) -> list:
         """The gradients of ``params`` that a norm counts (None where a parameter has none)."""
+        if self.fp16 is not None:
+            return self.fp16.master_grads(params)
         return self.of(params) if self.hp_grads else [p.grad for p in params]
 
     def held(self, module) -> list:
         """Every gradient this rank holds, which a clip scales."""
+        if self.fp16 is not None:
+            return [master.grad for _, master in self.fp16.pairs if master.grad is not None]
         return list(self.hp_grads.values()) if self.hp_grads else \
             [p.grad for p in module.parameters() if p.grad is not None]
 

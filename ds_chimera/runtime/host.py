@@ -16,6 +16,7 @@ from .clipping import grad_norm, scale_to
 from .gradient_sync import gradient_sync_for
 from .groups import PipelineGroups
 from .p2p import P2P, wait_or_fail
+from .tensors import to_half
 
 
 class PipelineHost:
@@ -54,6 +55,7 @@ class PipelineHost:
         # ZeRO-2/3: this rank's chunks sharded over data parallelism (see .sharding)
         self.shards = prepared.shards
         self.gradients = gradient_sync_for(self, engine, self.shards)
+        self.fp16 = self.gradients.source.fp16 if hasattr(self.gradients, "source") else None
 
     # ---- the step's data ----------------------------------------------------------------------
     def begin(self, batches: dict, train: bool) -> None:
@@ -64,7 +66,8 @@ class PipelineHost:
             self.gradients.begin()
 
     def load_input(self, chunk: int, mb: int):
-        return self.batches[mb][0]
+        inputs = self.batches[mb][0]
+        return to_half(inputs) if self.fp16 is not None else inputs
 
     def forward(self, chunk: int, mb: int, x, capture, train: bool):
         return self.chunk_modules[chunk](x, capture)
@@ -109,11 +112,20 @@ class PipelineHost:
         reported (``get_global_grad_norm()``) whether or not it clips. ZeRO-1 clips and reports itself."""
         if self.gradients.clips_itself:
             return
+        if self.fp16 is not None and self.fp16.unscale(self._max_over_ranks, self.device):
+            self.grad_norm = self.engine._global_grad_norm = None    # an overflow somewhere: the step is skipped
+            return
         norm_of, held = self.gradients.norm_grads()
         self.grad_norm = grad_norm(norm_of, self._sum_over_pipeline, self.device)
         if self.max_norm > 0:
             scale_to(held, self.max_norm, self.grad_norm)
         self.engine._global_grad_norm = self.grad_norm
+
+    def _max_over_ranks(self, flag) -> None:
+        """fp16: each rank's overflow flag, the maximum over every rank (a skipped step is skipped everywhere)."""
+        group = self.groups.job
+        wait_or_fail(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True),
+                     self.timeout_s, "the fp16 overflow check")
 
     def optimizer_step(self, chunks: tuple) -> None:
         self.engine._take_model_step(None)

@@ -116,10 +116,10 @@ def has_overflow(grads) -> bool:
     return False
 
 
-def overflow_anywhere(local: bool, reduce) -> bool:
+def overflow_anywhere(local: bool, reduce, device=None) -> bool:
     """One decision for every rank: ``reduce`` (a MAX all-reduce over the ranks that hold gradients,
     bounded) combines each rank's ``local`` finding; None when one process holds every gradient."""
-    flag = torch.tensor([1.0 if local else 0.0], dtype=torch.float32)
+    flag = torch.tensor([1.0 if local else 0.0], dtype=torch.float32, device=device)
     if reduce is not None:
         reduce(flag)
     return bool(flag.item() > 0)

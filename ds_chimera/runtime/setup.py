@@ -142,6 +142,12 @@ def _check_async_setup(module, plan, config: PipelineConfig, zero: int) -> None:
     """What asynchronous schedules cannot do yet, refused before any step."""
     from deepspeed.runtime.pipe.module import TiedLayerSpec
     name = plan.schedule.name
+    if config.fp16:
+        from ..schedules import registry
+        synchronous = ", ".join(sorted(n for n, cls in registry.available().items() if cls.synchronous))
+        raise ValueError(f"schedule {name!r} with fp16: each stage steps alone, and a loss-scale overflow must skip "
+                         f"the same step on every rank; use bf16 or fp32 with {name!r}, or fp16 with a synchronous "
+                         f"schedule: {synchronous}")
     if any(isinstance(spec, TiedLayerSpec) for spec in module._layer_specs):
         raise ValueError(f"schedule {name!r} updates each stage on its own clock, so weights tied across layers "
                          f"(TiedLayerSpec) would diverge between their stages; untie them or use a synchronous schedule")

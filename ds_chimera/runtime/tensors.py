@@ -25,6 +25,18 @@ def to_device(x, device):
     return x
 
 
+def to_half(x):
+    """``x`` with its floating-point tensors (inside tuples, lists and dicts too) in fp16: the first stage's
+    inputs under fp16 (integer ids stay as they are)."""
+    if isinstance(x, torch.Tensor):
+        return x.half() if x.is_floating_point() else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_half(t) for t in x)
+    if isinstance(x, dict):
+        return {k: to_half(v) for k, v in x.items()}
+    return x
+
+
 def as_leaves(tensors, train: bool) -> list:
     """Detached copies that start a new autograd graph and collect this chunk's input grads."""
     out = []

@@ -1,0 +1,198 @@
+"""fp16 with dynamic loss scaling on the scheduled engine, 4 gloo ranks, against a single process and
+DeepSpeed's own DynamicLossScaler.
+
+Per schedule: 6 steps of a 9-block MLP in fp16 (fp32 masters, SGD with momentum, the clip active), with
+an inf injected into one chunk's output on one rank at steps 1 and 2 (a different rank for each schedule).
+Every rank records its loss, the loss scale and DeepSpeed's skipped-step count after each step, and its
+layers' fp16 weights at the end; the reference is one process running the same algorithm on the whole
+model (fp16 weights, fp32 masters, the loss scaled, the step skipped on an inf), and the scale is checked
+against DynamicLossScaler fed the same overflows.
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import deepspeed  # noqa: E402
+from deepspeed.pipe import PipelineModule  # noqa: E402
+
+import ds_chimera  # noqa: E402,F401  (installs the "pipeline" key)
+from models import BASE_SEED, WIDTH, build_reference, make_global_batches, reference_params  # noqa: E402
+
+STEPS, N, LR, CLIP = 6, 8, 0.05, 1.0
+OVERFLOW_STEPS = (1, 2)
+FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 10, "loss_scale_window": 2, "hysteresis": 2,
+        "min_loss_scale": 1}
+
+
+class Poison(nn.Module):
+    """Multiplies its input by inf when armed: an fp16 overflow in one chunk on one rank."""
+    armed = False
+
+    def forward(self, x):
+        return x * float("inf") if Poison.armed else x
+
+
+class Block(nn.Module):
+    """Linear then tanh: every layer but the poison has weights, so every rank of every cut has some."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+def specs():
+    blocks = [deepspeed.pipe.LayerSpec(Block) for _ in range(9)]
+    return blocks[:5] + [deepspeed.pipe.LayerSpec(Poison)] + blocks[5:]
+
+
+def config(schedule: str, options: dict) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": N, "gradient_clipping": CLIP,
+            "fp16": dict(FP16),
+            "steps_per_print": 1000, "pipeline": {"schedule": schedule, "timeout": 60, **options}}
+
+
+def poison_holder(engine, pick: int) -> int:
+    """The rank (of those holding the poisoned layer, by ``pick``) that overflows."""
+    holds = any(isinstance(m, Poison) for chunk in engine.chunk_modules.values() for m in chunk.modules())
+    every = [None] * tdist.get_world_size()
+    tdist.all_gather_object(every, holds)
+    return [r for r, held in enumerate(every) if held][pick]
+
+
+def train(schedule: str, options: dict, pick: int) -> dict:
+    """``pick``: which of the ranks holding the poisoned layer overflows (the last one: -1)."""
+    net = PipelineModule(layers=specs(), num_stages=4, loss_fn=nn.MSELoss(), partition_method="uniform",
+                         seed_layers=True, base_seed=BASE_SEED)
+    engine, *_ = deepspeed.initialize(model=net, config=config(schedule, options),
+                                      optimizer=lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9))
+    batches = make_global_batches(N)
+    rank = tdist.get_rank()
+    poison_rank = poison_holder(engine, pick)
+    losses, scales, skipped = [], [], []
+    for step in range(STEPS):
+        Poison.armed = step in OVERFLOW_STEPS and rank == poison_rank
+        losses.append(float(engine.train_batch(iter(batches(step)))))
+        Poison.armed = False
+        scales.append(engine.optimizer.scale)
+        skipped.append(engine.skipped_steps)
+    weights = {str(idx): [p.detach().float().tolist() for p in layer.parameters()]
+               for idx, layer in engine.owned_layers().items()}
+    dtypes = sorted({str(p.dtype) for chunk in engine.chunk_modules.values() for p in chunk.parameters()})
+    return {"losses": losses, "scales": scales, "skipped": skipped, "weights": weights, "dtypes": dtypes,
+            "global_steps": engine.global_steps, "poisoned_rank": poison_rank}
+
+
+def reference() -> dict:
+    """One process: the same fp16 algorithm on the whole model, the inf at the same steps."""
+    from ds_chimera.runtime.loss_scale import LossScale, LossScaleConfig
+    layers = build_reference(specs())
+    params = reference_params(layers)
+    masters = [p.detach().clone().float() for p in params]
+    for p in params:
+        p.data = p.data.half()
+    opt = torch.optim.SGD(masters, lr=LR, momentum=0.9)
+    scale = LossScale(LossScaleConfig.from_section(FP16))
+    batches = make_global_batches(N)
+    losses, scales = [], []
+    for step in range(STEPS):
+        for p in params:
+            p.grad = None
+        total = 0.0
+        for mb, (x, y) in enumerate(batches(step)):
+            Poison.armed = step in OVERFLOW_STEPS and mb == 0
+            out = x.half()
+            for layer in layers:
+                out = layer(out)
+            Poison.armed = False
+            loss = nn.functional.mse_loss(out, y)
+            (loss.float() * scale.scale / N).backward()
+            total += loss.item() / N
+        overflow = any(p.grad is not None and not torch.isfinite(p.grad).all() for p in params)
+        if not overflow:
+            for p, m in zip(params, masters):
+                m.grad = p.grad.float() / scale.scale
+            torch.nn.utils.clip_grad_norm_(masters, CLIP)
+            opt.step()
+            for p, m in zip(params, masters):
+                p.data.copy_(m)
+        scale.update(overflow)
+        losses.append(total)
+        scales.append(scale.scale)
+    return {"losses": losses, "scales": scales,
+            "weights": {str(i): [p.detach().float().tolist() for p in layer.parameters()]
+                        for i, layer in enumerate(layers)}}
+
+
+def deepspeed_scales(overflows) -> list:
+    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+    scaler = CreateLossScaler(torch.half, 0, True, {"init_scale": 2 ** FP16["initial_scale_power"],
+                                                    "scale_window": FP16["loss_scale_window"],
+                                                    "delayed_shift": FP16["hysteresis"],
+                                                    "consecutive_hysteresis": False,
+                                                    "min_scale": FP16["min_loss_scale"]})
+    out = []
+    for flag in overflows:
+        scaler.update_scale(flag)
+        out.append(scaler.cur_scale)
+    return out
+
+
+def resume(schedule: str, directory: str) -> dict:
+    """Save after the overflows (step 3 of 6), go on; a new engine loads the save and goes on: the same."""
+    def build():
+        net = PipelineModule(layers=specs(), num_stages=4, loss_fn=nn.MSELoss(), partition_method="uniform",
+                             seed_layers=True, base_seed=BASE_SEED)
+        return deepspeed.initialize(model=net, config=config(schedule, {}),
+                                    optimizer=lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9))[0]
+    batches = make_global_batches(N)
+    rank = tdist.get_rank()
+
+    def steps(engine, start):
+        out = []
+        for step in range(start, STEPS):
+            Poison.armed = step in OVERFLOW_STEPS and rank == poisoned
+            out.append((float(engine.train_batch(iter(batches(step)))), engine.optimizer.scale))
+            Poison.armed = False
+        return out, {str(i): [p.detach().float().tolist() for p in layer.parameters()]
+                     for i, layer in engine.owned_layers().items()}
+    first = build()
+    poisoned = poison_holder(first, 0)
+    for step in range(3):
+        Poison.armed = step in OVERFLOW_STEPS and rank == poisoned
+        first.train_batch(iter(batches(step)))
+        Poison.armed = False
+    first.save_checkpoint(directory, tag="step3")
+    straight, straight_weights = steps(first, 3)
+    second = build()
+    second.load_checkpoint(directory, tag="step3")
+    resumed, resumed_weights = steps(second, 3)
+    return {"straight": straight, "resumed": resumed, "same_weights": straight_weights == resumed_weights,
+            "skipped_resumed": second.skipped_steps, "scale_at_load": straight[0][1]}
+
+
+CASES = {"1f1b": ({}, 0), "chimera": ({}, -1), "zbv": ({}, 0), "interleaved": ({}, 0)}
+
+
+def main():
+    deepspeed.init_distributed(dist_backend="gloo")
+    out = {"reference": reference(), "deepspeed_scales": deepspeed_scales([s in OVERFLOW_STEPS for s in range(STEPS)])}
+    for name, (options, pick) in CASES.items():
+        out[name] = train(name, options, pick)
+    out["resume-zbv"] = resume("zbv", os.path.join(os.path.dirname(sys.argv[1]), "fp16-ckpt"))
+    with open(f"{sys.argv[1]}.rank{tdist.get_rank()}", "w") as fh:
+        json.dump(out, fh)
+    tdist.barrier()
+
+
+if __name__ == "__main__":
+    main()
