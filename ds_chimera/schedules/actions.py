@@ -173,7 +173,7 @@ class SyncWait(NamedTuple):
     code = OpKind.SYNC_WAIT
 
     def __str__(self) -> str:
-        return f"SYNC_WAIT stages={_ints(self.ranks)}"
+        return f"SYNC_WAIT stages={_ints(self.stages)}"
 
 
 class Clip(NamedTuple):
