@@ -1,6 +1,6 @@
 """fp16 with dynamic loss scaling on the scheduled DeepSpeed engine (4 gloo ranks): DeepSpeed's semantics.
 
-tests/distributed/fp16_worker.py trains 6 steps under 1f1b, chimera, zbv and interleaved with an inf injected
+tests/distributed/fp16_worker.py trains 6 steps under every synchronous schedule with an inf injected
 into one chunk on one rank at steps 1 and 2. On every rank: both steps are skipped (DeepSpeed's skipped-step
 count, the weights those steps leave alone), the scale follows DeepSpeed's DynamicLossScaler fed the same
 overflows (hysteresis 2 spends one unit, then halves; a window of 2 clean steps doubles), and the weights
@@ -20,7 +20,7 @@ from netutil import free_port, remove_deepspeed_shm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "distributed", "fp16_worker.py")
-SCHEDULES = ["1f1b", "chimera", "zbv", "interleaved"]
+SCHEDULES = ["1f1b", "chimera", "zbv", "interleaved", "gpipe", "zb-h1", "breadth-first", "dualpipev"]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """fp16 with dynamic loss scaling on the scheduled engine, 4 gloo ranks, against a single process and
 DeepSpeed's own DynamicLossScaler.
 
-Per schedule: 6 steps of a 9-block MLP in fp16 (fp32 masters, SGD with momentum, the clip active), with
+Per synchronous schedule: 6 steps of a 9-block MLP in fp16 (fp32 masters, SGD with momentum, the clip active), with
 an inf injected into one chunk's output on one rank at steps 1 and 2 (a different rank for each schedule).
 Every rank records its loss, the loss scale and DeepSpeed's skipped-step count after each step, and its
 layers' fp16 weights at the end; the reference is one process running the same algorithm on the whole
@@ -180,7 +180,8 @@ def resume(schedule: str, directory: str) -> dict:
             "skipped_resumed": second.skipped_steps, "scale_at_load": straight[0][1]}
 
 
-CASES = {"1f1b": ({}, 0), "chimera": ({}, -1), "zbv": ({}, 0), "interleaved": ({}, 0)}
+CASES = {"1f1b": ({}, 0), "chimera": ({}, -1), "zbv": ({}, 0), "interleaved": ({}, 0), "gpipe": ({}, 0),
+         "zb-h1": ({}, 0), "breadth-first": ({}, -1), "dualpipev": ({}, 0)}
 
 
 def main():
