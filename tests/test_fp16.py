@@ -81,4 +81,8 @@ def test_a_checkpoint_resumes_the_masters_and_the_loss_scale_exactly(runs):
         assert r["same_weights"], rank
         assert r["skipped_resumed"] == 2                  # DeepSpeed's own count comes back with the engine state
         assert [scale for _, scale in r["straight"]] == [512.0, 512.0, 1024.0]
+        # a weights-only load: the masters take the loaded weights, and one step moves them only a step's worth
+        assert r["weights_only_masters_follow"], rank
+        assert 0 < r["weights_only_step_moved"] < 0.05, (rank, r["weights_only_step_moved"])
+        assert r["master_grads_after_step"] == 0, rank          # freed after each step, as DeepSpeed's fp16 frees its own
 

@@ -77,7 +77,16 @@ class Fp16MasterOptimizer:
             with torch.no_grad():
                 for p, master in self.pairs:
                     p.data.copy_(master)
+        for _, master in self.pairs:
+            master.grad = None               # DeepSpeed's fp32 step clears the module's gradients, not these
         self.loss_scale.update(self.overflow)
+
+    def refresh_fp32_params(self) -> None:
+        """The masters from the chunks' weights: after a load that brought weights but no optimizer state
+        (DeepSpeed calls this for ``load_module_only``; the engine for ``load_optimizer_states=False``)."""
+        with torch.no_grad():
+            for p, master in self.pairs:
+                master.copy_(p.data.float())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p, master in self.pairs:
@@ -85,7 +94,7 @@ class Fp16MasterOptimizer:
             master.grad = None
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "masters": [m.detach().clone() for _, m in self.pairs],
+        return {"optimizer": self.optimizer.state_dict(), "masters": [m.detach() for _, m in self.pairs],
                 "loss_scale": self.loss_scale.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:

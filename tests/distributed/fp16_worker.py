@@ -176,8 +176,19 @@ def resume(schedule: str, directory: str) -> dict:
     second = build()
     second.load_checkpoint(directory, tag="step3")
     resumed, resumed_weights = steps(second, 3)
+    # weights only (no optimizer state): the fp32 masters must take the loaded weights, or the first step
+    # would write the fresh engine's initial weights back into the chunks
+    third = build()
+    third.load_checkpoint(directory, tag="step3", load_optimizer_states=False, load_lr_scheduler_states=False)
+    masters_follow = all(torch.equal(master, p.detach().float()) for p, master in third.optimizer.pairs)
+    loaded = {i: [p.detach().clone() for p in layer.parameters()] for i, layer in third.owned_layers().items()}
+    third.train_batch(iter(batches(3)))
+    moved = max(float((p.detach().float() - q.float()).abs().max()) for i, layer in third.owned_layers().items()
+                for p, q in zip(layer.parameters(), loaded[i]))
     return {"straight": straight, "resumed": resumed, "same_weights": straight_weights == resumed_weights,
-            "skipped_resumed": second.skipped_steps, "scale_at_load": straight[0][1]}
+            "skipped_resumed": second.skipped_steps, "scale_at_load": straight[0][1],
+            "weights_only_masters_follow": masters_follow, "weights_only_step_moved": moved,
+            "master_grads_after_step": sum(m.grad is not None for _, m in third.optimizer.pairs)}
 
 
 CASES = {"1f1b": ({}, 0), "chimera": ({}, -1), "zbv": ({}, 0), "interleaved": ({}, 0), "gpipe": ({}, 0),
