@@ -60,7 +60,7 @@ def test_fp16_syncs_the_scaled_fp16_gradients_and_clips_the_unscaled_fp32_master
                               modules=[layer])
     engine = _engine()
     engine.optimizer = opt
-    source = GradientSource(engine)
+    source = GradientSource(engine, fp16=opt)
     params = list(layer.parameters())
     assert source.fp16 is opt and all(p.dtype == torch.float16 for p in params)
     for p in params:

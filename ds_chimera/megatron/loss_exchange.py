@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.p2p import LOSS_TAG, post_or_fail, wait_or_fail
-from ..runtime.tensors import to_device
+from ..runtime.tensors import map_tensors, to_device
 
 
 def start_loss_exchange(reduced: dict, placement, group, device, rank: int, timeout_s: float):
@@ -35,7 +35,7 @@ def start_loss_exchange(reduced: dict, placement, group, device, rank: int, time
         (lambda r: dist.get_global_rank(group, r))
     what = "the loss results for the last pipeline rank"
     if rank != last:
-        payload = torch.frombuffer(bytearray(pickle.dumps(to_device(_detached(reduced), torch.device("cpu")))),
+        payload = torch.frombuffer(bytearray(pickle.dumps(map_tensors(reduced, lambda t: t.detach().cpu()))),
                                    dtype=torch.uint8).to(on)
         size = torch.tensor([payload.numel()], dtype=torch.int64, device=on)
         works = [post_or_fail(lambda: dist.isend(size, peer(last), group=group, tag=LOSS_TAG), what),
@@ -60,14 +60,3 @@ def start_loss_exchange(reduced: dict, placement, group, device, rank: int, time
             merged.update(pickle.loads(data.cpu().numpy().tobytes()))
         return [to_device(merged[mb], device) for mb in sorted(merged)]
     return finish
-
-
-def _detached(x):
-    """``x`` with its tensors detached (inside dicts, lists and tuples too)."""
-    if isinstance(x, torch.Tensor):
-        return x.detach()
-    if isinstance(x, dict):
-        return {k: _detached(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_detached(v) for v in x)
-    return x

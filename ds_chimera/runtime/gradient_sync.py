@@ -28,9 +28,9 @@ class GradientSource:
     """Where the gradient the optimizer reads lives: ``p.grad``; under bf16 the fp32 accumulator; under fp16
     ``p.grad`` (fp16, scaled) for the sync and the fp32 master's unscaled gradient for the norm and the clip."""
 
-    def __init__(self, engine):
-        from .fp16_masters import Fp16MasterOptimizer
-        self.fp16 = engine.optimizer if isinstance(engine.optimizer, Fp16MasterOptimizer) else None
+    def __init__(self, engine, fp16=None):
+        """``fp16``: the engine's :class:`~.fp16_masters.Fp16MasterOptimizer` under fp16, else None."""
+        self.fp16 = fp16
         self.hp_grads = {}        # id(bf16 parameter) -> its fp32 gradient accumulator (bf16 only)
         if engine.using_bf16_optimizer:
             optimizer = engine.optimizer
@@ -175,11 +175,11 @@ class ShardedSync:
         self.shards.stepped()
 
 
-def gradient_sync_for(host, engine, shards):
-    """The strategy of this engine's configuration (ZeRO stage, bf16): chosen once, at set-up."""
+def gradient_sync_for(host, engine, shards, fp16=None):
+    """The strategy of this engine's configuration (ZeRO stage, bf16, fp16): chosen once, at set-up."""
     if shards is not None:
         return ShardedSync(host, shards)
-    source = GradientSource(engine)
+    source = GradientSource(engine, fp16)
     if engine.zero_optimization_stage() == 1:
         return Zero1Sync(host, source, reduce_each_chunk=host.plan.zero1_reduce == "chunk")
     return AllReduceSync(host, source)

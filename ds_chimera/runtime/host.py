@@ -54,8 +54,9 @@ class PipelineHost:
         self.batches: dict = {}
         # ZeRO-2/3: this rank's chunks sharded over data parallelism (see .sharding)
         self.shards = prepared.shards
-        self.gradients = gradient_sync_for(self, engine, self.shards)
-        self.fp16 = self.gradients.source.fp16 if hasattr(self.gradients, "source") else None
+        # fp16 (ZeRO stage 0 only): the optimizer is the fp32 masters' wrapper (runtime/fp16_masters.py)
+        self.fp16 = engine.optimizer if plan.config.fp16 else None
+        self.gradients = gradient_sync_for(self, engine, self.shards, self.fp16)
 
     # ---- the step's data ----------------------------------------------------------------------
     def begin(self, batches: dict, train: bool) -> None:

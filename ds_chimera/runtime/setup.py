@@ -143,11 +143,10 @@ def _check_async_setup(module, plan, config: PipelineConfig, zero: int) -> None:
     from deepspeed.runtime.pipe.module import TiedLayerSpec
     name = plan.schedule.name
     if config.fp16:
-        from ..schedules import registry
-        synchronous = ", ".join(sorted(n for n, cls in registry.available().items() if cls.synchronous))
+        from ..schedules.registry import synchronous_names
         raise ValueError(f"schedule {name!r} with fp16: each stage steps alone, and a loss-scale overflow must skip "
                          f"the same step on every rank; use bf16 or fp32 with {name!r}, or fp16 with a synchronous "
-                         f"schedule: {synchronous}")
+                         f"schedule: {synchronous_names()}")
     if any(isinstance(spec, TiedLayerSpec) for spec in module._layer_specs):
         raise ValueError(f"schedule {name!r} updates each stage on its own clock, so weights tied across layers "
                          f"(TiedLayerSpec) would diverge between their stages; untie them or use a synchronous schedule")

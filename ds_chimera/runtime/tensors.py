@@ -14,27 +14,26 @@ def pack(tensors):
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
 
+def map_tensors(x, fn):
+    """``x`` with ``fn`` applied to each of its tensors (inside tuples, lists and dicts too)."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, (tuple, list)):
+        return type(x)(map_tensors(t, fn) for t in x)
+    if isinstance(x, dict):
+        return {k: map_tensors(v, fn) for k, v in x.items()}
+    return x
+
+
 def to_device(x, device):
     """``x`` with its tensors (inside tuples, lists and dicts too) on ``device``."""
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, (tuple, list)):
-        return type(x)(to_device(t, device) for t in x)
-    if isinstance(x, dict):
-        return {k: to_device(v, device) for k, v in x.items()}
-    return x
+    return map_tensors(x, lambda t: t.to(device))
 
 
 def to_half(x):
     """``x`` with its floating-point tensors (inside tuples, lists and dicts too) in fp16: the first stage's
     inputs under fp16 (integer ids stay as they are)."""
-    if isinstance(x, torch.Tensor):
-        return x.half() if x.is_floating_point() else x
-    if isinstance(x, (tuple, list)):
-        return type(x)(to_half(t) for t in x)
-    if isinstance(x, dict):
-        return {k: to_half(v) for k, v in x.items()}
-    return x
+    return map_tensors(x, lambda t: t.half() if t.is_floating_point() else t)
 
 
 def as_leaves(tensors, train: bool) -> list:

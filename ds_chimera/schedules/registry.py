@@ -111,11 +111,15 @@ def checked(name: str, options: dict, caller_steps: bool = False) -> type:
         raise ValueError(f"schedule {name!r} has no option {unknown[0]!r}; allowed: "
                          f"{', '.join(sorted(cls.options)) or 'none'}")
     if caller_steps and not cls.synchronous:
-        synchronous = ", ".join(sorted(n for n, c in available().items() if c.synchronous))
         raise ValueError(f"schedule {name!r} is asynchronous (it steps each stage inside the pipeline); "
                          f"Megatron's forward-backward contract leaves the optimizer step to the caller, so use "
-                         f"a synchronous schedule: {synchronous}")
+                         f"a synchronous schedule: {synchronous_names()}")
     return cls
+
+
+def synchronous_names() -> str:
+    """The synchronous schedules' names, for the messages that refuse an asynchronous one."""
+    return ", ".join(sorted(n for n, cls in available().items() if cls.synchronous))
 
 
 def build(name: str, stages: int, micro_batches: int, **options) -> Schedule:

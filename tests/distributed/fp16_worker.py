@@ -61,6 +61,13 @@ def config(schedule: str, options: dict) -> dict:
             "steps_per_print": 1000, "pipeline": {"schedule": schedule, "timeout": 60, **options}}
 
 
+def build_engine(schedule: str, options: dict):
+    net = PipelineModule(layers=specs(), num_stages=4, loss_fn=nn.MSELoss(), partition_method="uniform",
+                         seed_layers=True, base_seed=BASE_SEED)
+    return deepspeed.initialize(model=net, config=config(schedule, options),
+                                optimizer=lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9))[0]
+
+
 def poison_holder(engine, pick: int) -> int:
     """The rank (of those holding the poisoned layer, by ``pick``) that overflows."""
     holds = any(isinstance(m, Poison) for chunk in engine.chunk_modules.values() for m in chunk.modules())
@@ -71,10 +78,7 @@ def poison_holder(engine, pick: int) -> int:
 
 def train(schedule: str, options: dict, pick: int) -> dict:
     """``pick``: which of the ranks holding the poisoned layer overflows (the last one: -1)."""
-    net = PipelineModule(layers=specs(), num_stages=4, loss_fn=nn.MSELoss(), partition_method="uniform",
-                         seed_layers=True, base_seed=BASE_SEED)
-    engine, *_ = deepspeed.initialize(model=net, config=config(schedule, options),
-                                      optimizer=lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9))
+    engine = build_engine(schedule, options)
     batches = make_global_batches(N)
     rank = tdist.get_rank()
     poison_rank = poison_holder(engine, pick)
@@ -149,11 +153,6 @@ def deepspeed_scales(overflows) -> list:
 
 def resume(schedule: str, directory: str) -> dict:
     """Save after the overflows (step 3 of 6), go on; a new engine loads the save and goes on: the same."""
-    def build():
-        net = PipelineModule(layers=specs(), num_stages=4, loss_fn=nn.MSELoss(), partition_method="uniform",
-                             seed_layers=True, base_seed=BASE_SEED)
-        return deepspeed.initialize(model=net, config=config(schedule, {}),
-                                    optimizer=lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9))[0]
     batches = make_global_batches(N)
     rank = tdist.get_rank()
 
@@ -165,7 +164,7 @@ def resume(schedule: str, directory: str) -> dict:
             Poison.armed = False
         return out, {str(i): [p.detach().float().tolist() for p in layer.parameters()]
                      for i, layer in engine.owned_layers().items()}
-    first = build()
+    first = build_engine(schedule, {})
     poisoned = poison_holder(first, 0)
     for step in range(3):
         Poison.armed = step in OVERFLOW_STEPS and rank == poisoned
@@ -173,12 +172,12 @@ def resume(schedule: str, directory: str) -> dict:
         Poison.armed = False
     first.save_checkpoint(directory, tag="step3")
     straight, straight_weights = steps(first, 3)
-    second = build()
+    second = build_engine(schedule, {})
     second.load_checkpoint(directory, tag="step3")
     resumed, resumed_weights = steps(second, 3)
     # weights only (no optimizer state): the fp32 masters must take the loaded weights, or the first step
     # would write the fresh engine's initial weights back into the chunks
-    third = build()
+    third = build_engine(schedule, {})
     third.load_checkpoint(directory, tag="step3", load_optimizer_states=False, load_lr_scheduler_states=False)
     masters_follow = all(torch.equal(master, p.detach().float()) for p, master in third.optimizer.pairs)
     loaded = {i: [p.detach().clone() for p in layer.parameters()] for i, layer in third.owned_layers().items()}
