@@ -197,6 +197,18 @@ def test_chimera_auto_picks_the_fastest_order():
     assert spans["merged"] < one and spans["forward-doubling"] < one
 
 
+@pytest.mark.parametrize("d,n,f", [(4, 12, 1), (8, 16, 2), (4, 8, 2)])
+def test_chimera_auto_prices_its_orders_on_the_simulator_with_syncs_and_host_time(d, n, f):
+    """The order search prices each candidate on the simulator (the package's one timing model), so the gradient
+    syncs and the hosts' per-message time count: the chosen order is the fastest of those that fit."""
+    for costs in ({"allreduce": 0.5}, {"fwd": 1, "bwd": 2, "wgrad": 1, "allreduce": 1.3, "sync_post": 0.2,
+                                       "comm": 0.1, "send": 0.05, "recv": 0.05}):
+        chosen = build("chimera", d, n, pipelines=f, costs=costs, max_activations=2 * n)
+        spans = {o: simulate(build("chimera", d, n, pipelines=f, order=o).lower(), Costs(**costs)).makespan
+                 for o in ("concat", "merged", "forward-doubling", "zero-bubble")}
+        assert spans[chosen.order] == pytest.approx(min(spans.values()), abs=1e-12), (costs, spans)
+
+
 def test_chimera_down_and_up_pipelines_are_mirrored():
     placement = build("chimera", 4, 4).placement
     assert placement.stage_ranks == [[0, 1, 2, 3], [3, 2, 1, 0]]
@@ -254,34 +266,20 @@ def test_list_scheduler_makespan_is_the_simulators(d, n):
     assert span == simulate(lower("zbv", placement, orders), SPLIT).makespan
 
 
-@pytest.mark.parametrize("comm, dispatch", [(0.0, 0.0), (0.3, 0.0), (0.3, 0.05)])
-def test_fast_compute_timing_equals_the_simulator(comm, dispatch):
-    from ds_chimera.schedules.timing import compute_timing
-    costs = Costs(fwd=1.0, bwd=2.0, wgrad=1.0, comm=comm, dispatch=dispatch)
-    checked = 0
-    for name, d, n, v in grid():
-        if d > 6 or n > 3 * d:
-            continue
-        schedule = make(name, d, n, v)
-        fast, _ = compute_timing(schedule.placement, schedule.orders, costs)
-        assert fast == pytest.approx(simulate(schedule.lower(), costs).makespan), (name, d, n, v)
-        checked += 1
-    assert checked > 100
-
-
 def test_replay_with_measured_op_durations():
-    """compute_timing(durations=...) replays each op on its own time: equal durations give the
-    per-kind makespan, and a slow op on the critical path delays the end by its excess."""
-    from ds_chimera.schedules.timing import compute_timing
+    """simulate(durations=...) replays each op on its own time: equal durations give the per-kind makespan, a
+    slow op on the critical path delays the end by its excess, and an op it does not name keeps its cost."""
     schedule = build("1f1b", 2, 2)
+    program = schedule.lower()
     costs = Costs(fwd=1.0, bwd=2.0, wgrad=1.0)
     size = schedule.placement.size
     same = {(a.kind, a.chunk, a.mb): costs.of(a.kind) * size for order in schedule.orders for a in order}
-    span, _ = compute_timing(schedule.placement, schedule.orders, costs)
-    assert compute_timing(schedule.placement, schedule.orders, costs, durations=same)[0] == pytest.approx(span)
+    span = simulate(program, costs).makespan
+    assert simulate(program, costs, durations=same).makespan == pytest.approx(span)
+    assert simulate(program, costs, durations={}).makespan == pytest.approx(span)
     slow = dict(same)
     slow[(FORWARD, 0, 0)] += 3.0        # micro-batch 0's first forward: everything waits for it
-    assert compute_timing(schedule.placement, schedule.orders, costs, durations=slow)[0] == pytest.approx(span + 3.0)
+    assert simulate(program, costs, durations=slow).makespan == pytest.approx(span + 3.0)
 
 
 def test_readme_schedule_table_is_the_simulators():

@@ -7,7 +7,7 @@
 Four CPU ranks (gloo), the timed model of ``benchmarks/harness.py``. Two engines of the schedule take
 turns: one traced (every op's start and end on every rank), one not (its median step is the
 figure ``schedules.py`` reports). For each traced step the script replays the lowered program
-on that step's own op durations (``compute_timing(durations=...)``) and prints, as ratios over
+on that step's own op durations (``simulate(durations=...)``) and prints, as ratios over
 ideal = N * (F + I + W) with the nominal costs:
 
 1. the schedule's own makespan at nominal costs (its bubble);
@@ -65,7 +65,6 @@ def worker(args):
     import ds_chimera  # noqa: F401  (the "pipeline" config key)
 
     from ds_chimera.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
-    from ds_chimera.schedules.timing import compute_timing
     from ds_chimera.sim import Costs, simulate
 
     rank, world, layer_s, specs = init_timed_model()
@@ -92,7 +91,7 @@ def worker(args):
     records = records[1:]                                   # the warm-up round's step is not timed
     gathered = [None] * world
     dist.all_gather_object(gathered, records)
-    program, placement, orders = engines[0].plan.program, engines[0].placement, engines[0].schedule.orders
+    program, placement = engines[0].plan.program, engines[0].placement
     nominal = simulate(program, Costs(fwd=COST_S, bwd=2 * COST_S, wgrad=COST_S)).makespan
     calibrated = simulate(program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s)).makespan
     with_latency = simulate(program, Costs(fwd=f_s, bwd=i_s + w_s, wgrad=w_s, comm=waiting))
@@ -107,8 +106,8 @@ def worker(args):
             for _, kind, chunk, mb, start, end in per_rank[step]:
                 durations[(kind, chunk, mb)] = end - start
                 last_end = max(last_end, end)
-        replay = compute_timing(placement, orders, Costs(), durations=durations)[0]
-        replay_comm = compute_timing(placement, orders, Costs(comm=waiting), durations=durations)[0]
+        replay = simulate(program, Costs(), durations=durations).makespan
+        replay_comm = simulate(program, Costs(comm=waiting), durations=durations).makespan
         gap_per_rank, ww_gap = gap_summary([op_gaps(per_rank[step]) for per_rank in gathered])
         row = {"replay": replay, "replay_comm": replay_comm, "last_op_end": last_end,
                "gap_per_rank_s": gap_per_rank, "ww_gap_s": ww_gap}

@@ -1,13 +1,15 @@
 """Chimera: bidirectional pipelines (Li & Hoefler, SC 2021, arXiv:2107.06925)."""
 from __future__ import annotations
 
+from ..sim.simulator import simulate
 from ..validation import check_choice, check_int, check_mapping
 from .actions import BACKWARD, FORWARD, Action, activation_peaks
 from .base import Schedule, linear_placement
 from .classic import one_f_one_b_orders
 from .costs import COST_NAMES, Costs
+from .lowering import lower
 from .placement import Placement
-from .timing import compute_timing, fastest_list_schedule, merge_by_time, time_orders
+from .timing import fastest_list_schedule, merge_by_time
 
 ORDERS = ("auto", "concat", "forward-doubling", "merged", "zero-bubble")
 AUTO_CANDIDATES = ("concat", "forward-doubling", "merged", "zero-bubble")   # ``auto``'s choices; ties: earlier
@@ -109,8 +111,7 @@ class Chimera(Schedule):
                 recompute: bool = False) -> tuple:
         """The fastest order under ``costs`` whose peak activations fit ``max_activations`` (ties: earlier).
 
-        The makespan is the simulator's (compute, message latency, the gradient syncs),
-        without the hosts' per-message send/receive time, which no order choice changes much.
+        The makespan is the simulator's on the candidate's lowered program: the one timing model of the package.
         ``max_activations`` defaults to 1F1B's peak on the same ranks, min(N, D) micro-batches;
         ``concat`` never exceeds it, so some order always fits.
         """
@@ -125,7 +126,7 @@ class Chimera(Schedule):
             if order != "concat" and peak_activations(candidate.orders) > limit:
                 continue
             priced = _with_recomputation(costs, split=order == "zero-bubble") if recompute else costs
-            makespan = compute_timing(candidate.placement, candidate.orders, priced, syncs=True)[0]
+            makespan = simulate(lower("chimera", candidate.placement, candidate.orders), priced).makespan
             if best is None or makespan < best[0] - 1e-9:
                 best = (makespan, order, candidate)
         return best[1], best[2]         # the chosen candidate's placement and orders are reused, not rebuilt
@@ -216,9 +217,8 @@ class Chimera(Schedule):
                     for kind, t in ((FORWARD, s + 2 * k), (BACKWARD, 2 * d - 1 - s + 2 * k))]
         local = Placement(d, d, [ranks], [0] * n)
         orders = one_f_one_b_orders(local, 0, list(range(n)))
-        times = time_orders(local, orders, Costs(fwd=1.0, bwd=1.0, wgrad=0.0))
-        return [(times[(a.kind, a.chunk, a.mb)], a.kind, a.chunk, a.mb, ranks[a.chunk])
-                for order in orders for a in order]
+        timed = simulate(lower("1f1b", local, orders), Costs(fwd=1.0, bwd=1.0, wgrad=0.0)).records
+        return [(start, kind, chunk, mb, ranks[chunk]) for _, kind, chunk, mb, start, _ in timed]
 
 
 def _with_recomputation(costs: Costs, split: bool) -> Costs:

@@ -1,14 +1,16 @@
 """Order builders that use time: merging timed pieces, and greedy list scheduling.
 
-Any per-rank order obtained by sorting actions on start times of a feasible timing is
-itself deadlock-free: a dependency on the same rank always starts strictly earlier.
+What an order costs is the simulator's to say (``sim/simulator.py``, the package's one timing model). The list
+scheduler keeps only the clock its greedy choices are made on, whose end is the order's makespan with free
+messages (tests hold it to the simulator's). Any per-rank order obtained by sorting actions on start times of a
+feasible timing is itself deadlock-free: a dependency on the same rank always starts strictly earlier.
 """
 from __future__ import annotations
 
 import heapq
 from collections import deque
 
-from .actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
+from .actions import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
 from .placement import Placement
 
 
@@ -18,94 +20,6 @@ def merge_by_time(num_ranks: int, timed: list) -> list:
     for _, _, rank, action in sorted(timed, key=lambda x: (x[0], x[1])):
         orders[rank].append(action)
     return orders
-
-
-def time_orders(placement: Placement, orders: list, costs) -> dict:
-    """Start time of every action of ``orders`` under ``costs``."""
-    return compute_timing(placement, orders, costs, want_starts=True)[1]
-
-
-def compute_timing(placement: Placement, orders: list, costs, want_starts: bool = False, durations=None,
-                   syncs: bool = False):
-    """(makespan, start times) of valid compute orders: the simulator's timing without its checks.
-
-    Used where many candidate orders are compared (Chimera's ``auto``, the pieces of ``merged``):
-    it skips lowering and validation, so it is several times faster. It models per-message
-    latency (``costs.comm``) and the runtime's ``dispatch`` per action, but not the hosts'
-    per-message ``send``/``recv`` time (that depends on how lowering batches messages). With
-    ``syncs`` it also models the gradient syncs a synchronous program posts (where lowering
-    puts them, each costing its rank ``sync_post``, done ``allreduce`` after the group's last
-    post). Tests hold it equal to
-    the simulator's makespan when ``send`` and ``recv`` are zero. Raises RuntimeError if the
-    orders cannot complete. ``durations`` maps ``(kind, chunk, mb)`` to that action's own
-    time, in place of ``costs``' per-kind figure: a measured step replayed on its own op times.
-    """
-    from .lowering import sync_points
-    size = placement.size
-    nch = len(placement.chunks)
-    prev_of = [placement.prev_chunk(c) for c in range(nch)]
-    next_of = [placement.next_chunk(c) for c in range(nch)]
-    rank_of = [placement.rank_of(c) for c in range(nch)]
-    cost = {k: costs.of(k) * size for k in (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)}
-    comm = costs.comm
-    ready: dict = {}            # ("F" | "G", chunk, mb) -> time the output (act or input grad) exists
-    waiting: dict = {}
-    starts: dict = {}
-    num_ranks = placement.num_ranks
-    pc, clock = [0] * num_ranks, [0.0] * num_ranks
-    points = [sync_points(placement, r, orders[r]) if syncs else {} for r in range(num_ranks)]
-    posts: dict = {}            # stage -> {rank: time its sync was posted}
-    for r in range(num_ranks):
-        for stage in points[r].get(-1, ()):
-            clock[r] += costs.sync_post
-            posts.setdefault(stage, {})[r] = clock[r]
-    work = deque(range(num_ranks))
-    queued = [True] * num_ranks
-    while work:
-        r = work.popleft()
-        queued[r] = False
-        order, i, t = orders[r], pc[r], clock[r]
-        while i < len(order):
-            kind, c, mb = order[i]
-            if kind == FORWARD:
-                dep = prev_of[c]
-                key = None if dep is None else (FORWARD, dep, mb)
-            elif kind in (BACKWARD, INPUT_GRAD):
-                dep = next_of[c]
-                key = None if dep is None else ("G", dep, mb)
-            else:
-                dep = key = None
-            if key is not None:
-                when = ready.get(key)
-                if when is None:
-                    waiting.setdefault(key, []).append(r)
-                    break
-                if rank_of[dep] != r:
-                    when += comm
-                if when > t:
-                    t = when
-            t += costs.dispatch
-            if want_starts:
-                starts[(kind, c, mb)] = t
-            t += cost.get(kind, 0.0) if durations is None else durations[(kind, c, mb)]
-            out = (FORWARD, c, mb) if kind == FORWARD else (("G", c, mb) if kind in (BACKWARD, INPUT_GRAD) else None)
-            if out is not None:
-                ready[out] = t
-                for other in waiting.pop(out, ()):
-                    if not queued[other]:
-                        queued[other] = True
-                        work.append(other)
-            for stage in points[r].get(i, ()):
-                t += costs.sync_post
-                posts.setdefault(stage, {})[r] = t
-            i += 1
-        pc[r], clock[r] = i, t
-    if any(pc[r] < len(orders[r]) for r in range(num_ranks)):
-        raise RuntimeError("compute orders cannot complete (a dependency cycle); simulate() says where")
-    makespan = max(clock) if clock else 0.0
-    for posted in posts.values():
-        makespan = max(makespan, max(posted.values()) + (costs.allreduce if len(posted) > 1 else 0.0))
-    return makespan, starts
 
 
 def list_schedule(placement: Placement, limits: list, cost=(1.0, 1.0, 1.0), prefer_late_chunk=True,

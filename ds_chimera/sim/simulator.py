@@ -67,7 +67,8 @@ class SimResult:
 
 
 def simulate(program: Program, costs: Costs = Costs(), chunks_per_rank: int = 1,
-             max_errors: int = 100, data_parallel: int = 1, stage_costs: StageCosts | None = None) -> SimResult:
+             max_errors: int = 100, data_parallel: int = 1, stage_costs: StageCosts | None = None,
+             durations: dict | None = None) -> SimResult:
     """Execute ``program`` under ``costs``; never raises on a bad program, it reports it.
 
     ``data_parallel``: copies of the whole pipeline the gradient syncs also span (outside the
@@ -76,19 +77,22 @@ def simulate(program: Program, costs: Costs = Costs(), chunks_per_rank: int = 1,
 
     ``stage_costs``: each stage's own F, B, W and activation size (layers that differ); the
     peak activations are then in its unit, and the ideal is the whole model's work spread
-    evenly over the ranks."""
+    evenly over the ranks.
+
+    ``durations``: ``(kind, chunk, mb)`` -> that action's own time, in place of the per-kind cost (a measured
+    step replayed on its own op times: tools/step_breakdown.py); an action it does not name keeps its cost."""
     if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
         raise ValueError(f"simulate: data_parallel must be an integer >= 1, got {data_parallel!r}")
     if stage_costs is not None and stage_costs.num_stages != program.placement.num_stages:
         raise ValueError(f"simulate: stage_costs has {stage_costs.num_stages} stages, the program "
                          f"{program.placement.num_stages}")
     with gc_paused():
-        return _simulate(program, costs, chunks_per_rank, max_errors, data_parallel, stage_costs)
+        return _simulate(program, costs, chunks_per_rank, max_errors, data_parallel, stage_costs, durations)
 
 
 def _simulate(program: Program, costs: Costs, chunks_per_rank: int, max_errors: int,
-              data_parallel: int, stage_costs=None) -> SimResult:
-    sim = _Simulation(program, costs, max_errors, data_parallel, stage_costs)
+              data_parallel: int, stage_costs=None, durations=None) -> SimResult:
+    sim = _Simulation(program, costs, max_errors, data_parallel, stage_costs, durations)
     sim.run()
     return sim.result(chunks_per_rank)
 
@@ -104,8 +108,8 @@ class _Simulation:
     rank as a waiter, and the worklist takes the rank up again at the same op once it is woken.
     """
 
-    __slots__ = ("program", "costs", "stage_costs", "act", "data_parallel", "max_errors", "placement", "num_ranks",
-                 "size",
+    __slots__ = ("program", "costs", "stage_costs", "durations", "act", "data_parallel", "max_errors", "placement",
+                 "num_ranks", "size",
                  "chunk_rank", "chunk_stage", "chunk_replica", "nxt", "prv", "mb_replica", "num_mbs", "nch",
                  "kinds", "errors", "f_end", "b_end", "i_end", "w_end", "got_act", "got_grad",
                  "messages", "edge_sent", "edge_recv", "routed", "stage_chunks_on", "msg_waiter", "sync_posts",
@@ -114,9 +118,10 @@ class _Simulation:
                  "pc", "clock", "busy", "live", "peak", "sends_posted", "records", "sync_records", "work",
                  "queued")
 
-    def __init__(self, program: Program, costs: Costs, max_errors: int, data_parallel: int, stage_costs=None):
+    def __init__(self, program: Program, costs: Costs, max_errors: int, data_parallel: int, stage_costs=None,
+                 durations=None):
         self.program, self.costs, self.data_parallel, self.max_errors = program, costs, data_parallel, max_errors
-        self.stage_costs = stage_costs
+        self.stage_costs, self.durations = stage_costs, durations
         placement = self.placement = program.placement
         num_ranks = self.num_ranks = placement.num_ranks
         size = self.size = placement.size
@@ -250,6 +255,8 @@ class _Simulation:
         except KeyError:
             self.error(f"rank {r}: unknown action kind {kind!r}")
             return t
+        if self.durations is not None:
+            dt = self.durations.get((kind, c, mb), dt)
         if mine[idx] is not None:
             self.error(f"rank {r}: {op} runs twice")
         if self.sharded:
