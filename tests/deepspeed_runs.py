@@ -18,9 +18,9 @@ from netutil import free_port
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed", "worker.py")
 
 
-def torchrun(args, timeout=900, extra_env=None):
+def torchrun(args, timeout=900, extra_env=None, nproc=4):
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            str(free_port()), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 

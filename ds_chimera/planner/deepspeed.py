@@ -50,6 +50,11 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
         decision = {"pipeline": reused, "step_s": None, "peak_bytes": None, "plan_file": str(options["plan_file"])}
         return _reused_plan(pipeline, reused, options["plan_file"], module, decision)
     grid = module._grid
+    if grid.get_slice_parallel_world_size() > 1:
+        from ..schedules.registry import synchronous_names
+        raise ValueError(f'"schedule": "auto" with tensor-parallel size {grid.get_slice_parallel_world_size()}: the '
+                         f"planner times the layers on one rank, and a tensor-parallel layer needs its whole tensor "
+                         f"group to run; name a schedule ({synchronous_names()}), or a plan_file an earlier run wrote")
     stages, dp = grid.pipe_parallel_size, grid.data_parallel_size
     device = torch.device(get_accelerator().device_name(module.local_rank))
     micro_batches = pipeline.batch.micro_batches(dp)

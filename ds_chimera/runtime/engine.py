@@ -49,9 +49,6 @@ class ScheduledPipelineEngine(PipelineEngine):
         self.schedule = plan.schedule
         self.placement = plan.schedule.placement
         self.pipe_rank = self.grid.get_stage_id()
-        if self.grid.get_slice_parallel_world_size() != 1:
-            raise ValueError("ds_chimera schedules do not support tensor (slice) parallelism yet; "
-                             f"got slice-parallel size {self.grid.get_slice_parallel_world_size()}")
         self.dp_size = self.grid.get_data_parallel_world_size()
         # DeepSpeed's own clipping only sees part of the model; the program's CLIP uses the true global norm.
         self._config.gradient_clipping = 0.0
@@ -151,7 +148,7 @@ class ScheduledPipelineEngine(PipelineEngine):
         collectives in the same order on each group.
         """
         total = torch.zeros(1, dtype=torch.float32, device=self.device)
-        if loss_sum is not None:
+        if loss_sum is not None and self.grid.get_slice_parallel_rank() == 0:   # every tensor rank has the loss
             total += loss_sum.reshape(-1)[:1].to(total.dtype)
         group = self.host.groups.job
         work = post_or_fail(lambda: dist.all_reduce(total, group=group, async_op=True), "the loss all-reduce")

@@ -111,8 +111,9 @@ class AllReduceSync:
         return self.source.counted(self.host.owned_params()), self.source.held(self.host.engine.module)
 
     def norm_group(self):
-        """The group a rank's squared norm is summed over: the ranks with distinct gradients."""
-        return self.host.engine.grid.get_pipe_parallel_group()
+        """The group a rank's squared norm is summed over: the ranks with distinct gradients, the pipeline's
+        stages and tensor ranks of this data-parallel copy (DeepSpeed's model-parallel group)."""
+        return self.host.engine.grid.get_model_parallel_group()
 
     def stepped(self) -> None:
         pass

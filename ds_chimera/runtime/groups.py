@@ -5,9 +5,10 @@
 The DeepSpeed engine and the Megatron contract both build theirs here:
 
 - one group per model stage over the ranks that hold a replica of it (Chimera's two
-  copies), either within each pipeline, or spanning every pipeline (the data-parallel
-  copies too: DeepSpeed's data-parallel gradient all-reduce and the replica sync are then
-  one collective);
+  copies), either within each pipeline, or spanning the pipelines of one family (the
+  data-parallel copies of one tensor rank: DeepSpeed's data-parallel gradient all-reduce
+  and the replica sync are then one collective; each tensor rank holds its own slices, so
+  the families of different tensor ranks never share a group);
 - one group per tied-weight key over the ranks holding a module of it;
 - NCCL only: one two-rank group per (edge, direction), because NCCL matches messages by
   issue order, not by tag;
@@ -26,12 +27,15 @@ import torch.distributed as dist
 
 
 class PipelineGroups:
-    """Groups of one placement. ``pipelines[d][p]``: global rank of pipeline rank ``p`` in pipeline ``d``.
+    """Groups of one placement. ``pipelines[i][p]``: global rank of pipeline rank ``p`` in pipeline ``i``, for
+    every pipeline of the world (every data-parallel copy of every tensor rank).
 
-    ``stage`` and ``tied`` hold the groups this process is a member of (None: a group of one).
+    ``families``: lists of pipeline indices whose stage and tied groups are one collective (the data-parallel
+    copies of one tensor rank); None: each pipeline on its own. ``stage`` and ``tied`` hold the groups this
+    process is a member of (None: a group of one).
     """
 
-    def __init__(self, placement, pipelines: list, mine: int, timeout_s: float, *, span_pipelines: bool = False,
+    def __init__(self, placement, pipelines: list, mine: int, timeout_s: float, *, families: list | None = None,
                  tied_holders: dict | None = None, nccl_edges: bool = False, stages: list | None = None):
         self.placement, self.pipelines, self.mine = placement, [list(p) for p in pipelines], mine
         me = dist.get_rank()
@@ -41,7 +45,7 @@ class PipelineGroups:
         self.tied: dict = {}         # tied key -> group
         self.edges: dict = {}        # (src chunk, dst chunk, kind) -> group, NCCL only
         self.job = None if nccl_edges else self._new(list(range(dist.get_world_size())))
-        slices = [None] if span_pipelines else list(range(len(self.pipelines)))
+        slices = families if families is not None else [[i] for i in range(len(self.pipelines))]
         for stage in (range(placement.num_stages) if stages is None else stages):
             holders = placement.stage_group(stage)
             for d in slices:
@@ -71,9 +75,8 @@ class PipelineGroups:
         """Every group of this placement that this rank is a member of (for the fault monitor)."""
         return [g for g in [self.job, *self.stage.values(), *self.tied.values(), *self.edges.values()] if g is not None]
 
-    def _ranks(self, pipe_ranks, d) -> tuple:
-        pipelines = self.pipelines if d is None else [self.pipelines[d]]
-        return tuple(sorted({ranks[p] for ranks in pipelines for p in pipe_ranks}))
+    def _ranks(self, pipe_ranks, family: list) -> tuple:
+        return tuple(sorted({self.pipelines[i][p] for i in family for p in pipe_ranks}))
 
     def _new(self, ranks):
         return dist.new_group(list(ranks), timeout=self.timeout)

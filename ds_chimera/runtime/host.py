@@ -19,6 +19,20 @@ from .p2p import P2P, wait_or_fail
 from .tensors import to_half
 
 
+def every_pipeline(grid, num_ranks: int) -> tuple:
+    """(Every pipeline of the world as its global ranks, tensor rank by tensor rank and data-parallel copy by
+    copy; the families: for each tensor rank, the indices of its data-parallel copies)."""
+    tensor_size, dp = grid.get_slice_parallel_world_size(), grid.get_data_parallel_world_size()
+    sliced = "model" in grid.topology().get_axis_names()
+    pipelines, families = [], []
+    for t in range(tensor_size):
+        families.append(list(range(len(pipelines), len(pipelines) + dp)))
+        for d in range(dp):
+            where = {"data": d, **({"model": t} if sliced else {})}
+            pipelines.append([grid.stage_to_global(p, **where) for p in range(num_ranks)])
+    return pipelines, families
+
+
 class PipelineHost:
     """The context the executor runs one rank's program on (see the module docstring)."""
 
@@ -39,11 +53,14 @@ class PipelineHost:
         holders = tied_holders(engine.module._layer_specs, self.placement, plan.parts)
         self.tied_owner = {key: min(ranks) for key, ranks in holders.items()}
         grid = engine.grid
-        pipelines = [[grid.stage_to_global(p, data=d) for p in range(self.placement.num_ranks)]
-                     for d in range(self.dp_size)]
+        self.tensor_size, self.tensor_rank = grid.get_slice_parallel_world_size(), grid.get_slice_parallel_rank()
+        pipelines, families = every_pipeline(grid, self.placement.num_ranks)
         nccl = dist.get_backend() != "gloo"
-        self.groups = PipelineGroups(self.placement, pipelines, grid.get_data_parallel_id(), plan.timeout_s,
-                                     span_pipelines=engine.zero_optimization_stage() != 1,   # ZeRO-1 spans them
+        self.groups = PipelineGroups(self.placement, pipelines, pipelines.index(
+                                         [grid.stage_to_global(p) for p in range(self.placement.num_ranks)]),
+                                     plan.timeout_s,
+                                     # ZeRO-1 reduces over data parallelism itself: then each pipeline on its own
+                                     families=families if engine.zero_optimization_stage() != 1 else None,
                                      tied_holders=holders, nccl_edges=nccl)
         self.transport = P2P(lambda p: grid.stage_to_global(p), self.device, len(self.placement.chunks),
                              plan.timeout_s, self.groups.edges,
@@ -89,7 +106,9 @@ class PipelineHost:
         self.gradients.finish(stages)
 
     def owned_params(self) -> list:
-        """Parameters this rank counts in the global norm: each stage and tied module once."""
+        """Parameters this rank counts in the global norm: each stage and tied module once, and of a tensor
+        rank's parameters its slices, with what every tensor rank holds whole counted on tensor rank 0 only."""
+        from deepspeed.runtime.utils import is_model_parallel_parameter
         owned = []
         for chunk in self.chunk_modules.values():
             if self.placement.stage_owner(chunk.stage) == self.pipe_rank:
@@ -97,6 +116,8 @@ class PipelineHost:
         for key, module in self.tied_modules.items():
             if self.tied_owner[key] == self.pipe_rank:
                 owned += [p for p in module.parameters() if p.requires_grad]
+        if self.tensor_rank != 0:
+            owned = [p for p in owned if is_model_parallel_parameter(p)]
         return owned
 
     def _sum_over_pipeline(self, squares) -> None:

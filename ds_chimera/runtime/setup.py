@@ -33,9 +33,6 @@ def prepare_module(module, config: PipelineConfig, stock_keys: dict | None = Non
 
     from .chunks import build_chunks, partition
     grid = module._grid
-    if grid.get_slice_parallel_world_size() != 1:
-        raise ValueError("ds_chimera schedules need tensor (slice) parallel size 1, got "
-                         f"{grid.get_slice_parallel_world_size()}")
     num_stages = grid.pipe_parallel_size
     dp = grid.data_parallel_size
     if config.stages is not None and config.stages != num_stages:
@@ -57,6 +54,7 @@ def prepare_module(module, config: PipelineConfig, stock_keys: dict | None = Non
     plan = make_plan(config, num_stages, dp, len(module._layer_specs), parts_fn)
     plan = dataclasses.replace(plan, stock_optimizer_order=stock_optimizer_order)
     zero = config.zero_stage
+    _check_tensor_parallel(plan, grid.get_slice_parallel_world_size(), zero)
     if zero == 1:
         _refuse_cross_rank_ties(module, plan)
     if zero >= 2:
@@ -136,6 +134,20 @@ def _refuse_ties_under_sharding(module, zero: int) -> None:
     if tied:
         raise ValueError(f"ZeRO stage {zero} with weights tied across layers ({', '.join(tied)}) is not supported: "
                          f"a tied weight would belong to two chunks' shards; untie them or use ZeRO stage 0/1")
+
+
+def _check_tensor_parallel(plan, tensor_size: int, zero: int) -> None:
+    """Tensor (slice) parallelism: every synchronous schedule with ZeRO stage 0 or 1; the rest refused here."""
+    if tensor_size == 1:
+        return
+    name = plan.schedule.name
+    if not plan.schedule.synchronous:
+        from ..schedules.registry import synchronous_names
+        raise ValueError(f"schedule {name!r} with tensor-parallel size {tensor_size}: the asynchronous schedules run "
+                         f"with tensor-parallel size 1; use a synchronous schedule: {synchronous_names()}")
+    if zero >= 2:
+        raise ValueError(f"ZeRO stage {zero} with tensor-parallel size {tensor_size}: the pipeline schedules shard a "
+                         f"chunk over data parallelism only; use ZeRO stage 0 or 1 (as Megatron-DeepSpeed runs 3D)")
 
 
 def _check_async_setup(module, plan, config: PipelineConfig, zero: int) -> None:

@@ -6,7 +6,8 @@
 Each schedule runs with its default options (Chimera's ``order: auto`` included) at two shapes,
 D = 4, N = 8 and D = 8, N = 32, under F = 1, B = 2 (W = 1): the bubble (1 - ideal / makespan),
 the peak activations a rank holds (micro-batches, the most over ranks) and its weight copies
-(stage units; asynchronous schedules count their stashed or predicted versions).
+(stage units; asynchronous schedules count their stashed or predicted versions); and whether the DeepSpeed
+engine runs it with tensor parallelism and with fp16 (the synchronous schedules).
 """
 from __future__ import annotations
 
@@ -35,12 +36,15 @@ def _figures(cls, stages: int, micro_batches: int, costs: Costs) -> str:
 
 def schedule_table(costs: Costs = Costs()) -> str:
     shapes = " | ".join(f"D={d}, N={n}: bubble / activations / weights" for d, n in SHAPES)
-    lines = [f"| name | options | what it is | {shapes} |", "|---|---|---|" + "---|" * len(SHAPES)]
+    lines = [f"| name | options | what it is | {shapes} | tensor parallel, fp16 |",
+             "|---|---|---|" + "---|" * len(SHAPES) + "---|"]
     # the package's own schedules: a plugin installed here would make the README differ between machines
     for name, cls in sorted(registry._builtin().items(), key=lambda item: (not item[1].synchronous, item[0])):
         options = ", ".join(f"`{key}`" for key in cls.options)
         cells = " | ".join(_figures(cls, d, n, costs) for d, n in SHAPES)
-        lines.append(f"| `{name}` | {options} | {cls.summary} | {cells} |")
+        # the DeepSpeed engine runs T > 1 and fp16 under the synchronous schedules (runtime/setup.py)
+        three_d = "yes, yes" if cls.synchronous else "no, no"
+        lines.append(f"| `{name}` | {options} | {cls.summary} | {cells} | {three_d} |")
     return "\n".join(lines)
 
 

@@ -1,0 +1,117 @@
+"""Tensor x pipeline parallelism on the scheduled DeepSpeed engine: T = 2, P = 2 on 4 gloo ranks (8 ranks with
+D = 2 in make test-full), against DeepSpeed's stock engine on the same topology and against one process.
+
+tests/distributed/tensor_parallel_worker.py trains 3 steps of 8 tensor-parallel MLP blocks under every
+synchronous schedule and the stock engine, puts each layer back together from its tensor slices, and writes
+the weights, losses and gradient norms. A model whose every parameter is a slice ("sliced") is where DeepSpeed's
+clipping norm is the true one, so stock is compared with clipping on and off; the row-parallel biases
+("biased", held whole by every tensor rank) are compared with one process, where DeepSpeed's norm would count
+those of stage 1 nowhere (it counts an unsliced parameter on model-parallel rank 0 only).
+"""
+import json
+import os
+import types
+
+import pytest
+
+from deepspeed_runs import torchrun
+from netutil import remove_deepspeed_shm
+from tiers import FULL
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "distributed", "tensor_parallel_worker.py")
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "breadth-first", "chimera", "zb-h1", "zbv", "dualpipev"]
+CLIP = "0.05"
+TOL = 1e-6
+
+
+def _launch(tmp_path_factory, ranks: int) -> dict:
+    out = tmp_path_factory.mktemp(f"tp{ranks}") / "tp.json"
+    args = ["--dp", str(ranks // 4)]
+    proc = torchrun([WORKER, str(out), *args], timeout=900, nproc=ranks)
+    remove_deepspeed_shm()
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(f"tensor-parallel worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                    f"{proc.stderr[-8000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module", params=[4, 8] if FULL else [4], ids=lambda n: f"{n}ranks")
+def runs(request, tmp_path_factory):
+    return _launch(tmp_path_factory, request.param)
+
+
+def _diff(a, b) -> float:
+    if isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), (a, b)
+        return max((_diff(x, y) for x, y in zip(a, b)), default=0.0)
+    return abs(a - b)
+
+
+def _weights_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b) == [str(i) for i in range(8)], (sorted(a), sorted(b))
+    for layer in a.values():
+        assert layer != "tensor ranks disagree"
+    return max(_diff(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("clip", ["0.0", CLIP])
+def test_equal_to_the_stock_engine_on_the_same_topology(runs, schedule, clip):
+    ours, stock = runs[f"{schedule}/sliced-{clip}"], runs[f"stock/sliced-{clip}"]
+    assert _weights_diff(ours["weights"], stock["weights"]) <= TOL
+    assert _diff(ours["losses"], stock["losses"]) <= TOL
+
+
+def test_the_clip_is_active_and_changes_the_weights(runs):
+    """Every step's true norm is far above the clip, so the clipped runs above test the norm (DeepSpeed's engine
+    reports none for fp32 pipelines: its weights equal the reference's, which only the true norm gives)."""
+    clipped, plain = runs["reference"][f"sliced-{CLIP}"], runs["reference"]["sliced-0.0"]
+    assert min(clipped["norms"]) > 10 * float(CLIP)
+    assert _weights_diff(clipped["weights"], plain["weights"]) > 1e-3
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES + ["stock"])
+@pytest.mark.parametrize("clip", ["0.0", CLIP])
+def test_sliced_model_equals_one_process(runs, schedule, clip):
+    ours, ref = runs[f"{schedule}/sliced-{clip}"], runs["reference"][f"sliced-{clip}"]
+    assert _weights_diff(ours["weights"], ref["weights"]) <= TOL
+    assert _diff(ours["losses"], ref["losses"]) <= TOL
+    if clip == CLIP and schedule != "stock":
+        assert _diff(ours["norms"], ref["norms"]) <= TOL * max(ref["norms"])
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES + [f"zero1-{s}" for s in ("1f1b", "zbv", "interleaved")])
+def test_whole_parameters_count_once_in_the_clipping_norm(runs, schedule):
+    """The row-parallel biases are held whole by both tensor ranks: the norm counts them once (tensor rank 0),
+    the slices in full; the weights, losses and norms equal one process with the clip active."""
+    ours, ref = runs[f"{schedule}/biased-{CLIP}"], runs["reference"][f"biased-{CLIP}"]
+    assert min(ref["norms"]) > float(CLIP)
+    assert _weights_diff(ours["weights"], ref["weights"]) <= TOL
+    assert _diff(ours["losses"], ref["losses"]) <= TOL
+    if not schedule.startswith("zero1-"):       # ZeRO-1 reports its own norm (DeepSpeed's optimizer clips)
+        assert _diff(ours["norms"], ref["norms"]) <= TOL * max(ref["norms"])
+    assert ours["replicas_agree"]
+
+
+def test_a_tensor_parallel_checkpoint_resumes_exactly(runs):
+    r = runs["resume-zbv"]
+    assert len(r["straight"]) == 2 and r["straight"] == r["resumed"] and r["same_weights"], r
+    # one file per layer and tensor rank, named as DeepSpeed names them
+    assert any("model_00" in f for f in r["layer_files"]) and any("model_01" in f for f in r["layer_files"])
+    assert len(r["layer_files"]) == 2 * 8
+
+
+def _plan(name: str, **options):
+    from ds_chimera.schedules import build
+    return types.SimpleNamespace(schedule=build(name, 2, 4, **options))
+
+
+def test_what_tensor_parallelism_refuses_names_what_runs():
+    from ds_chimera.runtime.setup import _check_tensor_parallel
+    _check_tensor_parallel(_plan("zbv"), 2, 1)          # ZeRO-1 runs
+    _check_tensor_parallel(_plan("pipedream"), 1, 0)     # tensor size 1: nothing to refuse
+    with pytest.raises(ValueError, match=r"schedule 'pipedream' with tensor-parallel size 2.*synchronous schedule.*1f1b"):
+        _check_tensor_parallel(_plan("pipedream"), 2, 0)
+    with pytest.raises(ValueError, match="ZeRO stage 2 with tensor-parallel size 2.*use ZeRO stage 0 or 1"):
+        _check_tensor_parallel(_plan("1f1b"), 2, 2)
