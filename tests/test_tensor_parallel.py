@@ -94,6 +94,14 @@ def test_whole_parameters_count_once_in_the_clipping_norm(runs, schedule):
     assert ours["replicas_agree"]
 
 
+@pytest.mark.parametrize("schedule", ["stock", "zbv"])
+def test_data_on_tensor_rank0_only_with_a_broadcasting_batch_fn(runs, schedule):
+    """Megatron-DeepSpeed's way: tensor rank 0 has the data iterator, the batch_fn broadcasts each batch."""
+    ours, ref = runs[f"{schedule}-fed-by-tensor-rank0/sliced-0.0"], runs["reference"]["sliced-0.0"]
+    assert _weights_diff(ours["weights"], ref["weights"]) <= TOL
+    assert _diff(ours["losses"], ref["losses"]) <= TOL
+
+
 def test_a_tensor_parallel_checkpoint_resumes_exactly(runs):
     r = runs["resume-zbv"]
     assert len(r["straight"]) == 2 and r["straight"] == r["resumed"] and r["same_weights"], r

@@ -121,7 +121,10 @@ class ScheduledPipelineEngine(PipelineEngine):
         """Every data-loading rank reads all ``count`` micro-batches of the step, in order."""
         if not self._loads_data():
             return {}
-        if self.data_iterator is None:
+        # under tensor parallelism a script may give data to tensor rank 0 only: its batch_fn then broadcasts each
+        # batch over the tensor group (Megatron-DeepSpeed's get_batch_pipe), as the stock engine lets it
+        fed_by_tensor_rank0 = self.batch_fn is not None and self.grid.get_slice_parallel_world_size() > 1
+        if self.data_iterator is None and not fed_by_tensor_rank0:
             raise ValueError("ds_chimera: this rank runs a first or last stage and needs data: pass data_iter "
                              "to train_batch()/eval_batch() or training_data to initialize()")
         batches = {}

@@ -138,12 +138,25 @@ def replicas_agree(engine) -> bool:
     return True
 
 
-def train(topology, tensor_group, schedule, options, biased, clip, zero=0) -> dict:
+def broadcast_from_tensor_rank0(tensor_group):
+    """A batch_fn as Megatron-DeepSpeed's get_batch_pipe: tensor rank 0 has the batch, the others receive it."""
+    def batch_fn(batch):
+        box = [batch if tensor_group.rank == 0 else None]
+        tdist.broadcast_object_list(box, src=tdist.get_global_rank(tensor_group.group, 0), group=tensor_group.group)
+        return box[0]
+    return batch_fn
+
+
+def train(topology, tensor_group, schedule, options, biased, clip, zero=0, feed_tensor_rank0=False) -> dict:
+    """``feed_tensor_rank0``: only tensor rank 0 gets a data iterator; a batch_fn broadcasts each batch."""
     engine = build_engine(topology, tensor_group, schedule, options, biased, clip, zero)
+    if feed_tensor_rank0:
+        engine.set_batch_fn(broadcast_from_tensor_rank0(tensor_group))
     dp, d = topology.get_dim("data"), engine.grid.get_data_parallel_id()
     losses, norms = [], []
     for step in range(STEPS):
-        losses.append(float(engine.train_batch(iter(batches(step, dp)[d * N:(d + 1) * N]))))
+        data = iter(batches(step, dp)[d * N:(d + 1) * N]) if tensor_group.rank == 0 or not feed_tensor_rank0 else None
+        losses.append(float(engine.train_batch(data)))
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
     agree = torch.tensor([1.0 if replicas_agree(engine) else 0.0])
@@ -192,6 +205,10 @@ def main():
     for schedule in ("1f1b", "zbv", "interleaved"):      # ZeRO-1 refuses replicated stages (Chimera)
         results[f"zero1-{schedule}/biased-{CLIP}"] = train(topology, tensor_group, schedule, SYNCHRONOUS[schedule],
                                                            True, CLIP, zero=1)
+    for schedule in ("stock", "zbv"):
+        results[f"{schedule}-fed-by-tensor-rank0/sliced-0.0"] = train(
+            topology, tensor_group, None if schedule == "stock" else schedule, SYNCHRONOUS.get(schedule, {}), False,
+            0.0, feed_tensor_rank0=True)
     box = [tempfile.mkdtemp(prefix="ds_chimera_tp_") if tdist.get_rank() == 0 else None]
     tdist.broadcast_object_list(box, 0)
     results["resume-zbv"] = resume(topology, tensor_group, "zbv", box[0])

@@ -49,7 +49,8 @@ def model_args(a, workdir):
         # order micro-batches run on a rank), a fixed seed, per-layer seeded init on the CPU (see sitecustomize)
         "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234", "--use-cpu-initialization",
         # parallelism
-        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", str(RANKS),
+        "--tensor-model-parallel-size", str(a.tensor_parallel),
+        "--pipeline-model-parallel-size", str(RANKS // a.tensor_parallel),
         "--distributed-backend", "gloo",
         # CPU: the fused weight-gradient accumulation is apex's CUDA extension (fused_weight_gradient_mlp_cuda)
         "--no-gradient-accumulation-fusion",
@@ -114,6 +115,8 @@ def main():
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--tensor-parallel", type=int, default=1, choices=(1, 2, 4),
+                    help="Megatron's --tensor-model-parallel-size; the pipeline takes the other ranks")
     ap.add_argument("--save")
     ap.add_argument("--load")
     ap.add_argument("--save-interval", type=int)
