@@ -301,7 +301,7 @@ class FaultMonitor:
         finally:
             self._waiting = False
 
-    def _break_groups(self) -> None:
+    def _break_groups(self, groups: list, epoch: int) -> None:
         """Close the connections of this job's gloo process groups, which ends the call's thread's
         wait (see :meth:`wait_interruptibly`): each gets a receive no one sends, waited on for a
         millisecond. The job has failed, so nothing is lost; the peers' waits on these connections
@@ -309,13 +309,12 @@ class FaultMonitor:
         did not register, the default group among them) is still going after
         ``BREAK_FALLBACK_S``: then every gloo group is broken, and no new job can start here."""
         from torch.distributed import distributed_c10d as c10d
-        groups = self.job_groups()
         log.debug("ds_chimera: rank %d breaks %d group(s) of the failed job", self.rank, len(groups))
         close_gloo_connections(groups)
         deadline = time.monotonic() + BREAK_FALLBACK_S
-        while self._waiting and time.monotonic() < deadline:
+        while self._waiting and self.epoch == epoch and time.monotonic() < deadline:
             time.sleep(0.01)
-        if self._waiting:
+        if self._waiting and self.epoch == epoch:      # a wait of a new job is that job's
             log.debug("ds_chimera: rank %d still waits: it breaks every gloo group", self.rank)
             self.unrecoverable = ("this rank was waiting in a process group that is not the failed engine's "
                                   "own (the default group, or one DeepSpeed or Megatron keeps), which had to "
@@ -470,7 +469,9 @@ class FaultMonitor:
                 if self._waiting and not self._groups_broken:
                     # on its own thread: a group whose peer died may block its receive, not this watch
                     self._groups_broken = True
-                    threading.Thread(target=self._break_groups, name="ds_chimera-break-groups", daemon=True).start()
+                    # the failed job's groups, named now: a thread that starts late must not reach a new job's
+                    threading.Thread(target=self._break_groups, args=(self.job_groups(), self.epoch),
+                                     name="ds_chimera-break-groups", daemon=True).start()
                 if not self.delivered and time.monotonic() - self._failed_at > self._deliver_within(record):
                     where = "" if record["origin"] == self.rank else self._stops_too()
                     self.exit(self.line(self.failed) + where)
