@@ -1,5 +1,6 @@
 """Helpers shared by the multi-process tests."""
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -7,10 +8,31 @@ import time
 
 
 def free_port() -> int:
-    """A TCP port free on loopback right now, for a rendezvous."""
+    """A TCP port free on loopback right now, for a rendezvous, chosen below the kernel's ephemeral range.
+
+    A port from that range (what binding port 0 gives) can be taken by any outgoing connection before the
+    launcher binds it, gloo's among them: with two launches at once (make test's two workers) one failed with
+    EADDRINUSE. Below the range only another pick can collide, and the pick is random."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def remove_deepspeed_shm() -> None:
