@@ -9,6 +9,7 @@ strategy chosen at set-up (:mod:`.gradient_sync`); the host calls it where the p
 from __future__ import annotations
 
 import torch.distributed as dist
+from deepspeed.runtime.utils import is_model_parallel_parameter
 
 from ..schedules.actions import split_chunks
 from .chunks import tied_holders
@@ -108,7 +109,6 @@ class PipelineHost:
     def owned_params(self) -> list:
         """Parameters this rank counts in the global norm: each stage and tied module once, and of a tensor
         rank's parameters its slices, with what every tensor rank holds whole counted on tensor rank 0 only."""
-        from deepspeed.runtime.utils import is_model_parallel_parameter
         owned = []
         for chunk in self.chunk_modules.values():
             if self.placement.stage_owner(chunk.stage) == self.pipe_rank:

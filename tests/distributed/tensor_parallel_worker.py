@@ -33,6 +33,13 @@ SYNCHRONOUS = {"gpipe": {}, "1f1b": {}, "interleaved": {"chunks": 2}, "breadth-f
                "zb-h1": {}, "zbv": {}, "dualpipev": {}}
 
 
+# CI's cases: every schedule clipped (the sliced model against stock, the biased one against one process); the
+# unclipped stock comparison, ZeRO-1 and fp16 on some schedules. make test-full: all of them on every schedule.
+CI_TIER = {"unclipped": ("1f1b", "zbv", "chimera"), "zero1": ("zbv",), "fp16": (("chimera", 3),)}
+FULL_TIER = {"unclipped": tuple(SYNCHRONOUS), "zero1": ("1f1b", "zbv", "interleaved"),   # ZeRO-1 refuses Chimera
+             "fp16": (("1f1b", 1), ("zbv", 2), ("chimera", 3))}                           # a different rank each
+
+
 def batches(step: int, dp: int) -> list:
     g = torch.Generator().manual_seed(100 + step)
     return [(torch.randn(MICRO, WIDTH, generator=g), torch.randn(MICRO, WIDTH, generator=g))
@@ -185,30 +192,111 @@ def resume(topology, tensor_group, schedule: str, directory: str) -> dict:
         second, tensor_group), "layer_files": files}
 
 
+FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 10, "loss_scale_window": 2, "hysteresis": 2,
+        "min_loss_scale": 1}
+FP16_STEPS, OVERFLOW_STEPS = 4, (1, 2)
+
+
+def train_fp16(topology, tensor_group, schedule: str, poisoned_rank: int) -> dict:
+    """fp16 with T > 1: an inf in one chunk's output on one rank at OVERFLOW_STEPS skips those steps everywhere."""
+    cfg = {"train_batch_size": N * MICRO * topology.get_dim("data"), "train_micro_batch_size_per_gpu": MICRO,
+           "gradient_clipping": CLIP, "steps_per_print": 1000, "fp16": dict(FP16),
+           "pipeline": {"schedule": schedule, "timeout": 60, **SYNCHRONOUS[schedule]}}
+    net = PipelineModule(layers=specs(tensor_group, True), topology=topology, loss_fn=nn.MSELoss(),
+                         partition_method="uniform")
+    engine = deepspeed.initialize(model=net, config=cfg,
+                                  optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9))[0]
+    armed = [False]
+    if tdist.get_rank() == poisoned_rank:
+        chunk = next(iter(engine.chunk_modules.values()))
+        chunk.register_forward_hook(lambda module, args, out: out * float("inf") if armed[0] else out)
+    dp, d = topology.get_dim("data"), engine.grid.get_data_parallel_id()
+    losses, scales, skipped = [], [], []
+    for step in range(FP16_STEPS):
+        armed[0] = step in OVERFLOW_STEPS
+        losses.append(float(engine.train_batch(iter(batches(step, dp)[d * N:(d + 1) * N]))))
+        armed[0] = False
+        scales.append(engine.optimizer.scale)
+        skipped.append(engine.skipped_steps)
+    every = [None] * tdist.get_world_size()
+    tdist.all_gather_object(every, (scales, skipped))
+    return {"losses": losses, "weights": whole_weights(engine, tensor_group), "scales_skipped": every,
+            "dtypes": sorted({str(p.dtype) for c in engine.chunk_modules.values() for p in c.parameters()})}
+
+
+def reference_fp16(dp: int) -> dict:
+    """One process, tensor size 1, the same fp16 algorithm: fp16 weights, fp32 masters, the loss scaled, a step
+    with an inf skipped, the clip on the unscaled gradients; the scale by DeepSpeed's own DynamicLossScaler."""
+    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+    scaler = CreateLossScaler(torch.half, 0, True, {"init_scale": 2 ** FP16["initial_scale_power"],
+                                                    "scale_window": FP16["loss_scale_window"],
+                                                    "delayed_shift": FP16["hysteresis"],
+                                                    "consecutive_hysteresis": False,
+                                                    "min_scale": FP16["min_loss_scale"]})
+    layers = [spec.build() for spec in specs(TensorGroup(), True)]
+    params = [p for layer in layers for p in layer.parameters()]
+    masters = [p.detach().clone().float() for p in params]
+    for p in params:
+        p.data = p.data.half()
+    opt = torch.optim.SGD(masters, lr=LR, momentum=0.9)
+    losses, scales = [], []
+    for step in range(FP16_STEPS):
+        for p in params:
+            p.grad = None
+        micro, total = batches(step, dp), 0.0
+        overflow = step in OVERFLOW_STEPS
+        for x, y in micro:
+            out = x.half()
+            for layer in layers:
+                out = layer(out)
+            loss = nn.functional.mse_loss(out, y)
+            (loss.float() * scaler.cur_scale / len(micro)).backward()
+            total += loss.item() / len(micro)
+        if not overflow:
+            for p, m in zip(params, masters):
+                m.grad = p.grad.float() / scaler.cur_scale
+            torch.nn.utils.clip_grad_norm_(masters, CLIP)
+            opt.step()
+            for p, m in zip(params, masters):
+                p.data.copy_(m)
+        scaler.update_scale(overflow)
+        losses.append(total)
+        scales.append(scaler.cur_scale)
+    return {"losses": losses, "scales": scales,
+            "weights": {str(i): [p.detach().float().tolist() for p in layer.parameters()] for i, layer in
+                        enumerate(layers)}}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--full", action="store_true", help="make test-full's cases (CI runs a subset)")
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     topology = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=args.dp)
     tensor_group = TensorGroup.of_topology(topology)
     results = {"reference": {f"{model}-{clip}": reference(model == "biased", clip, args.dp)
                              for model, clip in (("sliced", 0.0), ("sliced", CLIP), ("biased", CLIP))}}
+    tier = FULL_TIER if args.full else CI_TIER
     for schedule in [None, *SYNCHRONOUS]:
         options = SYNCHRONOUS.get(schedule, {})
         name = schedule or "stock"
-        results[f"{name}/sliced-0.0"] = train(topology, tensor_group, schedule, options, False, 0.0)
+        if schedule is None or schedule in tier["unclipped"]:
+            results[f"{name}/sliced-0.0"] = train(topology, tensor_group, schedule, options, False, 0.0)
         results[f"{name}/sliced-{CLIP}"] = train(topology, tensor_group, schedule, options, False, CLIP)
         if schedule is not None:
             results[f"{name}/biased-{CLIP}"] = train(topology, tensor_group, schedule, options, True, CLIP)
-    for schedule in ("1f1b", "zbv", "interleaved"):      # ZeRO-1 refuses replicated stages (Chimera)
+    for schedule in tier["zero1"]:
         results[f"zero1-{schedule}/biased-{CLIP}"] = train(topology, tensor_group, schedule, SYNCHRONOUS[schedule],
                                                            True, CLIP, zero=1)
     for schedule in ("stock", "zbv"):
         results[f"{schedule}-fed-by-tensor-rank0/sliced-0.0"] = train(
             topology, tensor_group, None if schedule == "stock" else schedule, SYNCHRONOUS.get(schedule, {}), False,
             0.0, feed_tensor_rank0=True)
+    results["reference"]["fp16"] = reference_fp16(args.dp)
+    for schedule, poisoned in tier["fp16"]:
+        results[f"fp16-{schedule}"] = train_fp16(topology, tensor_group, schedule, poisoned)
     box = [tempfile.mkdtemp(prefix="ds_chimera_tp_") if tdist.get_rank() == 0 else None]
     tdist.broadcast_object_list(box, 0)
     results["resume-zbv"] = resume(topology, tensor_group, "zbv", box[0])
