@@ -461,6 +461,8 @@ def run_caught_failure() -> dict:
     before = call(True)
     first = raised(lambda: call(False, failing))
     again = raised(lambda: call(True))
+    # on stdout as each rank sees it: the launch's output shows where a rank that ended went wrong
+    print(f"caught-failure rank {dist.get_rank()}: first: {first[:160]} | again: {again[:160]}", flush=True)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=4)
     return {"caught_failure": {"first": first, "again": again, "before": before, "after": call(True)}}
