@@ -54,7 +54,7 @@ class PipelineHost:
         holders = tied_holders(engine.module._layer_specs, self.placement, plan.parts)
         self.tied_owner = {key: min(ranks) for key, ranks in holders.items()}
         grid = engine.grid
-        self.tensor_size, self.tensor_rank = grid.get_slice_parallel_world_size(), grid.get_slice_parallel_rank()
+        self.tensor_rank = grid.get_slice_parallel_rank()
         pipelines, families = every_pipeline(grid, self.placement.num_ranks)
         nccl = dist.get_backend() != "gloo"
         self.groups = PipelineGroups(self.placement, pipelines, pipelines.index(

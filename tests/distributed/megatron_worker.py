@@ -460,9 +460,10 @@ def run_caught_failure() -> dict:
         return "nothing raised"
     before = call(True)
     first = raised(lambda: call(False, failing))
+    # on stdout as each rank sees it, call by call: the launch's output shows where a rank that ended went wrong
+    print(f"caught-failure rank {dist.get_rank()}: first: {first[:200]}", flush=True)
     again = raised(lambda: call(True))
-    # on stdout as each rank sees it: the launch's output shows where a rank that ended went wrong
-    print(f"caught-failure rank {dist.get_rank()}: first: {first[:160]} | again: {again[:160]}", flush=True)
+    print(f"caught-failure rank {dist.get_rank()}: again: {again[:200]}", flush=True)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=4)
     return {"caught_failure": {"first": first, "again": again, "before": before, "after": call(True)}}
