@@ -23,7 +23,8 @@ import deepspeed  # noqa: E402
 from deepspeed.pipe import PipelineModule  # noqa: E402
 
 import ds_chimera  # noqa: E402,F401  (installs the "pipeline" key)
-from models import BASE_SEED, WIDTH, build_reference, make_global_batches, reference_params  # noqa: E402
+from models import (BASE_SEED, WIDTH, build_reference, deepspeed_loss_scaler, fp16_master_step,  # noqa: E402
+                    make_global_batches, reference_params)
 
 STEPS, N, LR, CLIP = 6, 8, 0.05, 1.0
 OVERFLOW_STEPS = (1, 2)
@@ -123,12 +124,7 @@ def reference() -> dict:
             total += loss.item() / N
         overflow = any(p.grad is not None and not torch.isfinite(p.grad).all() for p in params)
         if not overflow:
-            for p, m in zip(params, masters):
-                m.grad = p.grad.float() / scale.scale
-            torch.nn.utils.clip_grad_norm_(masters, CLIP)
-            opt.step()
-            for p, m in zip(params, masters):
-                p.data.copy_(m)
+            fp16_master_step(params, masters, opt, scale.scale, CLIP)
         scale.update(overflow)
         losses.append(total)
         scales.append(scale.scale)
@@ -138,12 +134,7 @@ def reference() -> dict:
 
 
 def deepspeed_scales(overflows) -> list:
-    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
-    scaler = CreateLossScaler(torch.half, 0, True, {"init_scale": 2 ** FP16["initial_scale_power"],
-                                                    "scale_window": FP16["loss_scale_window"],
-                                                    "delayed_shift": FP16["hysteresis"],
-                                                    "consecutive_hysteresis": False,
-                                                    "min_scale": FP16["min_loss_scale"]})
+    scaler = deepspeed_loss_scaler(FP16)
     out = []
     for flag in overflows:
         scaler.update_scale(flag)

@@ -82,3 +82,25 @@ def make_global_batches(num_micro_batches: int, micro_batch_size: int = 2):
         return [(torch.randn(micro_batch_size, WIDTH, generator=g),
                  torch.randn(micro_batch_size, WIDTH, generator=g) * 3) for _ in range(num_micro_batches)]
     return batches
+
+
+def deepspeed_loss_scaler(fp16_section: dict):
+    """DeepSpeed's own DynamicLossScaler, built from a DeepSpeed "fp16" config section: the oracle the
+    scheduled engine's scale is held to."""
+    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+    return CreateLossScaler(torch.half, 0, True, {"init_scale": 2 ** fp16_section["initial_scale_power"],
+                                                  "scale_window": fp16_section["loss_scale_window"],
+                                                  "delayed_shift": fp16_section["hysteresis"],
+                                                  "consecutive_hysteresis": False,
+                                                  "min_scale": fp16_section["min_loss_scale"]})
+
+
+def fp16_master_step(params, masters, optimizer, scale: float, clip: float) -> None:
+    """The fp16 step one process runs as the references: unscale the fp16 gradients into the fp32 masters,
+    clip there, step the masters and copy them back into the fp16 weights."""
+    for p, m in zip(params, masters):
+        m.grad = p.grad.float() / scale
+    torch.nn.utils.clip_grad_norm_(masters, clip)
+    optimizer.step()
+    for p, m in zip(params, masters):
+        p.data.copy_(m)

@@ -15,6 +15,7 @@ true one; "biased" adds the row-parallel biases, which every tensor rank holds w
 import argparse
 import json
 import os
+import sys
 import tempfile
 
 import torch
@@ -26,7 +27,10 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 import ds_chimera  # noqa: F401,E402  (installs the "pipeline" key)
-from ds_chimera.nn.tensor_parallel import TensorGroup, TensorParallelMLP
+from ds_chimera.nn.tensor_parallel import TensorGroup, TensorParallelMLP  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import deepspeed_loss_scaler, fp16_master_step  # noqa: E402
 
 WIDTH, HIDDEN, LAYERS, N, MICRO, STEPS, LR, CLIP = 8, 16, 8, 8, 2, 3, 0.05, 0.05
 SYNCHRONOUS = {"gpipe": {}, "1f1b": {}, "interleaved": {"chunks": 2}, "breadth-first": {"chunks": 2}, "chimera": {},
@@ -227,12 +231,7 @@ def train_fp16(topology, tensor_group, schedule: str, poisoned_rank: int) -> dic
 def reference_fp16(dp: int) -> dict:
     """One process, tensor size 1, the same fp16 algorithm: fp16 weights, fp32 masters, the loss scaled, a step
     with an inf skipped, the clip on the unscaled gradients; the scale by DeepSpeed's own DynamicLossScaler."""
-    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
-    scaler = CreateLossScaler(torch.half, 0, True, {"init_scale": 2 ** FP16["initial_scale_power"],
-                                                    "scale_window": FP16["loss_scale_window"],
-                                                    "delayed_shift": FP16["hysteresis"],
-                                                    "consecutive_hysteresis": False,
-                                                    "min_scale": FP16["min_loss_scale"]})
+    scaler = deepspeed_loss_scaler(FP16)
     layers = [spec.build() for spec in specs(TensorGroup(), True)]
     params = [p for layer in layers for p in layer.parameters()]
     masters = [p.detach().clone().float() for p in params]
@@ -253,12 +252,7 @@ def reference_fp16(dp: int) -> dict:
             (loss.float() * scaler.cur_scale / len(micro)).backward()
             total += loss.item() / len(micro)
         if not overflow:
-            for p, m in zip(params, masters):
-                m.grad = p.grad.float() / scaler.cur_scale
-            torch.nn.utils.clip_grad_norm_(masters, CLIP)
-            opt.step()
-            for p, m in zip(params, masters):
-                p.data.copy_(m)
+            fp16_master_step(params, masters, opt, scaler.cur_scale, CLIP)
         scaler.update_scale(overflow)
         losses.append(total)
         scales.append(scaler.cur_scale)
