@@ -101,6 +101,12 @@ class PipelineConfig:
         return self.precision == "fp16"
 
     @property
+    def fp16_masters(self) -> bool:
+        """fp16 whose fp32 masters and loss scale are ds_chimera's (runtime/fp16_masters.py), at ZeRO stage 0.
+        Under ZeRO-1 DeepSpeed's ZeRO-1 optimizer keeps both (its fp32 partitions, its DynamicLossScaler)."""
+        return self.fp16 and self.zero_stage == 0
+
+    @property
     def sharded(self) -> bool:
         """ZeRO-2/3: ds_chimera shards each chunk's weights, gradients and optimizer state itself."""
         return self.zero_stage >= 2
@@ -157,13 +163,6 @@ class PipelineConfig:
     def check_schedule(self, schedule) -> None:
         """ZeRO limits that depend on the schedule's placement, refused with the reason."""
         zero, name = self.zero_stage, schedule.name
-        if zero == 1:
-            replicated = schedule.placement.replicated_stages()
-            if replicated:
-                raise ValueError(f"ZeRO stage 1 with schedule {name!r} is not supported: its stages are "
-                                 f"replicated across pipeline ranks (stages {replicated[:4]}...), and ZeRO-1's "
-                                 f"gradient norm would count them twice; use ZeRO stage 0 or a schedule without "
-                                 f"replicas")
         if zero < 2:
             return
         if not schedule.synchronous:
@@ -194,9 +193,9 @@ class PipelineConfig:
         if zero >= 2 and not sharding:
             raise ValueError(f"ZeRO stage {zero} with pipeline schedules runs on ds_chimera's DeepSpeed engine "
                              f"only; here use stage 0 or 1")
-        if zero and precision == "fp16":
+        if zero >= 2 and precision == "fp16":
             raise ValueError(f"fp16 with ZeRO stage {zero} is not supported by ds_chimera schedules yet: use ZeRO "
-                             f"stage 0 with fp16, or bf16 with ZeRO stage {zero}")
+                             f"stage 0 or 1 with fp16, or bf16 with ZeRO stage {zero}")
         if zero >= 2 and precision == "bf16":
             raise ValueError(f"ZeRO stage {zero} with pipeline schedules shards fp32 weights; bf16 is not supported "
                              f"with it yet: use fp32, or ZeRO stage 0/1 with bf16")

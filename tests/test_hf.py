@@ -236,7 +236,6 @@ def test_resolve_takes_the_arguments_and_the_pipelines_data_parallel_size():
      "interleaved needs micro_batches to be a multiple of stages (4), got 3"),
     ({"train_batch_size": 8, "pipeline": {"stages": 2}}, 4, "\"pipeline\" section needs a schedule"),
     (pipe_config(fp16={"enabled": True}), 4, "with the HF Trainer's pipeline is not supported yet"),
-    (pipe_config(zero_optimization={"stage": 1}), 4, "ZeRO stage 1 with schedule 'chimera' is not supported"),
 ])
 def test_resolve_refuses_bad_setups_by_value(config, world, message):
     a = args(gradient_accumulation_steps=3) if "interleaved" in str(config) and world == 4 else Args()

@@ -15,7 +15,8 @@ UNCLIPPED = EQUIV + ["program-4x1-chimera-zb", "unclipped-tied-4x1-chimera", "un
                      "unclipped-actckpt-4x1-chimera"]
 CLIPPED = ["clipped-4x1-chimera", "clipped-2x2-chimera", "clipped-4x1-interleaved", "tied-4x1-chimera",
            "tied-4x1-1f1b", "tied-2x2-zbv", "zero1-2x2-breadth-first", "zero1-2x2-zbv", "zero1-2x2-zbv-tied",
-           "zero1-2x2-breadth-first-end"]
+           "zero1-2x2-breadth-first-end", "zero1-4x1-chimera", "zero1-2x2-chimera", "zero1-4x1-1f1b-tied",
+           "zero1-4x1-chimera-tied"]
 INPLACE = ["gpipe", "1f1b", "interleaved", "chimera", "zb-h1", "zbv"]
 SCENARIOS = UNCLIPPED + CLIPPED + [
     "actckpt-4x1-chimera", "actckpt-4x1-zb-h1", "actckpt-4x1-chimera-zb", "actckpt-4x1-interleaved", "stock-clipping",

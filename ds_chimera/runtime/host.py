@@ -53,6 +53,7 @@ class PipelineHost:
         self.split_chunks = split_chunks(plan.schedule.orders[self.pipe_rank])
         holders = tied_holders(engine.module._layer_specs, self.placement, plan.parts)
         self.tied_owner = {key: min(ranks) for key, ranks in holders.items()}
+        self._mark_pipeline_copies()
         grid = engine.grid
         self.tensor_rank = grid.get_slice_parallel_rank()
         pipelines, families = every_pipeline(grid, self.placement.num_ranks)
@@ -106,19 +107,29 @@ class PipelineHost:
         """Wait for every sync posted so far (and the tied weights', posted at the first wait of a step)."""
         self.gradients.finish(stages)
 
+    def _held(self):
+        """(parameter, whether this rank counts it) for each trainable parameter of this rank's chunks and
+        tied modules: of a stage's replicas and a tied module's holders, one rank of the pipeline counts it."""
+        for chunk in self.chunk_modules.values():
+            counted = self.placement.stage_owner(chunk.stage) == self.pipe_rank
+            yield from ((p, counted) for p in chunk.parameters() if p.requires_grad)
+        for key, module in self.tied_modules.items():
+            counted = self.tied_owner[key] == self.pipe_rank
+            yield from ((p, counted) for p in module.parameters() if p.requires_grad)
+
     def owned_params(self) -> list:
         """Parameters this rank counts in the global norm: each stage and tied module once, and of a tensor
         rank's parameters its slices, with what every tensor rank holds whole counted on tensor rank 0 only."""
-        owned = []
-        for chunk in self.chunk_modules.values():
-            if self.placement.stage_owner(chunk.stage) == self.pipe_rank:
-                owned += [p for p in chunk.parameters() if p.requires_grad]
-        for key, module in self.tied_modules.items():
-            if self.tied_owner[key] == self.pipe_rank:
-                owned += [p for p in module.parameters() if p.requires_grad]
+        owned = [p for p, counted in self._held() if counted]
         if self.tensor_rank != 0:
             owned = [p for p in owned if is_model_parallel_parameter(p)]
         return owned
+
+    def _mark_pipeline_copies(self) -> None:
+        """DeepSpeed's own norms (ZeRO-1's, which clips under ZeRO-1) skip a parameter marked
+        ``ds_pipe_replicated``, as stock marks a tied module's copies: the same rule as :meth:`owned_params`."""
+        for p, counted in self._held():
+            p.ds_pipe_replicated = not counted
 
     def _sum_over_pipeline(self, squares) -> None:
         """Sum a rank's squared norm over the ranks that hold distinct gradients (the strategy's group)."""

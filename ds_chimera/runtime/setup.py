@@ -55,8 +55,6 @@ def prepare_module(module, config: PipelineConfig, stock_keys: dict | None = Non
     plan = dataclasses.replace(plan, stock_optimizer_order=stock_optimizer_order)
     zero = config.zero_stage
     _check_tensor_parallel(plan, grid.get_slice_parallel_world_size(), zero)
-    if zero == 1:
-        _refuse_cross_rank_ties(module, plan)
     if zero >= 2:
         _refuse_ties_under_sharding(module, zero)
     if not plan.schedule.synchronous:
@@ -173,17 +171,6 @@ def _check_async_setup(module, plan, config: PipelineConfig, zero: int) -> None:
         raise ValueError(f"schedule {name!r} with bf16 and data parallelism: DeepSpeed's BF16_Optimizer shards the "
                          f"fp32 master weights over data-parallel ranks, and weight prediction needs whole ones; "
                          f"use data-parallel size 1, fp32, or a stashing schedule (pipedream, pipedream-2bw)")
-
-
-def _refuse_cross_rank_ties(module, plan) -> None:
-    """ZeRO-1 computes its clipping norm per rank: a weight tied across ranks would count twice."""
-    from .chunks import tied_holders
-    holders = tied_holders(module._layer_specs, plan.placement, plan.parts)
-    shared = sorted(key for key, ranks in holders.items() if len(ranks) > 1)
-    if shared:
-        raise ValueError(f"ZeRO stage 1 with weights tied across pipeline ranks ({', '.join(shared)}) is not "
-                         f"supported: ZeRO-1's gradient norm would count them on every rank that holds them; "
-                         f"use ZeRO stage 0, or a schedule that keeps the tied layers on one rank (zbv, dualpipev)")
 
 
 def _checkpoint_function(module, plan):

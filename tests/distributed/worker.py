@@ -377,14 +377,6 @@ def bad_config(kind):
             make_engine(4, config("interleaved", 6, 1), specs)
         elif kind == "option":
             make_engine(4, config("1f1b", 8, 1, chunks=2), specs)
-        elif kind == "zero1-chimera":
-            cfg = config("chimera", 8, 1)
-            cfg["zero_optimization"] = {"stage": 1}
-            make_engine(4, cfg, specs)
-        elif kind == "zero1-tied":
-            cfg = config("1f1b", 8, 1)
-            cfg["zero_optimization"] = {"stage": 1}
-            make_engine(4, cfg, mlp_specs(16, tied=True))
         elif kind == "batch-split":
             cfg = config("chimera", 8, 1)
             cfg.update(train_batch_size=10, train_micro_batch_size_per_gpu=4)
@@ -1065,6 +1057,12 @@ SCENARIOS["zero1-2x2-breadth-first-end"] = lambda: train_and_compare("breadth-fi
                                                                    zero1_reduce="end")
 SCENARIOS["zero1-2x2-zbv-tied"] = lambda: train_and_compare("zbv", 2, 2, 4, zero=1, tied=True)
 SCENARIOS["zero1-2x2-zbv"] = lambda: train_and_compare("zbv", 2, 2, 4, zero=1)
+# a stage on two ranks of the pipeline (Chimera's replicas) and a weight tied across ranks: ZeRO-1's own norm
+# counts each once (the copies are marked ds_pipe_replicated, as stock marks its tied copies)
+SCENARIOS["zero1-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8, zero=1)
+SCENARIOS["zero1-2x2-chimera"] = lambda: train_and_compare("chimera", 2, 2, 4, zero=1)
+SCENARIOS["zero1-4x1-1f1b-tied"] = lambda: train_and_compare("1f1b", 4, 1, 8, zero=1, tied=True)
+SCENARIOS["zero1-4x1-chimera-tied"] = lambda: train_and_compare("chimera", 4, 1, 8, zero=1, tied=True)
 SCENARIOS["bf16-4x1-chimera"] = lambda: train_and_compare("chimera", 4, 1, 8, bf16=True)
 SCENARIOS["bf16-4x1-chimera-zb"] = lambda: train_and_compare("chimera", 4, 1, 8, bf16=True, order="zero-bubble")
 SCENARIOS["bf16-2x2-zbv"] = lambda: train_and_compare("zbv", 2, 2, 4, bf16=True)
@@ -1080,7 +1078,7 @@ for key, opts in {"1f1b": {}, "gpipe": {}, "interleaved": {"chunks": 2}, "breadt
     SCENARIOS[f"equiv-1x1-{key}"] = (lambda key=key, opts=opts: train_and_compare(key, 1, 1, 4, **opts))
     SCENARIOS[f"bf16-1x1-{key}"] = (lambda key=key, opts=opts: train_and_compare(key, 1, 1, 4, bf16=True, **opts))
 SCENARIOS["auto-plan"] = auto_plan
-for kind in ("unknown", "pipelines", "interleaved-n", "option", "zero1-chimera", "zero1-tied", "zero2", "zero1-reduce",
+for kind in ("unknown", "pipelines", "interleaved-n", "option", "zero2", "zero1-reduce",
              "zero3-async", "zero3-bf16", "zero3-tied", "reshard-zero1", "zero3-groups", "groups-left-out",
              "batch-size-interleaved", "batch-size-async", "eval-reduce", "auto-no-data", "stages",
              "fp16", "batch-split",
