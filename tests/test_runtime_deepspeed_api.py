@@ -66,7 +66,8 @@ def test_checkpoints_resume_across_the_stock_engine_with_optimizer_state(results
     ("bad-zero3-tied", "ZeRO stage 3 with weights tied across layers (proj) is not supported"),
     ("bad-reshard-zero1", "reshard_after_forward applies to ZeRO stage 3 only; this config runs ZeRO stage 0"),
     ("bad-zero1-reduce", "\"pipeline\": zero1_reduce must be one of chunk, end; got 'later'"),
-    ("bad-fp16", "fp16 with ZeRO stage 1 is not supported by ds_chimera schedules yet: use ZeRO stage 0 with fp16"),
+    ("bad-fp16", "fp16 with ZeRO stage 1 runs DeepSpeed's ZeRO-1 fp16 optimizer, which DeepSpeed refuses on the "
+                 "'cpu' accelerator (is_fp16_supported() is False); use fp16 with ZeRO stage 0"),
     ("bad-batch-split", "train_batch_size 10 is not divisible by train_micro_batch_size_per_gpu 4 x data-parallel "
                         "size 1"),
     ("bad-load-other-schedule", "its optimizer state does not map onto these chunks. Load the weights only"),

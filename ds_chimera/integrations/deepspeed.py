@@ -181,9 +181,10 @@ def _stock_engine_config(config: dict, pipeline) -> dict:
         # fp32 accumulator as it is produced, which is DeepSpeed's immediate_grad_update mode.
         key = "bf16" if config.get("bf16") else "bfloat16"
         config[key] = {**config[key], "immediate_grad_update": True}
-    if pipeline.fp16:
-        # fp16 weights, fp32 masters and the loss scale are ds_chimera's (runtime/fp16_masters.py): DeepSpeed's
-        # fp16 optimizers run inside its own backward and step, and its CPU accelerator refuses fp16
+    if pipeline.fp16_masters:
+        # ZeRO-0: fp16 weights, fp32 masters and the loss scale are ds_chimera's (runtime/fp16_masters.py):
+        # DeepSpeed's fp16 optimizers run inside its own backward and step, and its CPU accelerator refuses fp16.
+        # Under ZeRO-1 the "fp16" section stays: DeepSpeed's ZeRO-1 optimizer keeps the masters and the scale.
         config.pop("fp16", None)
     config["gradient_clipping"] = pipeline.clip
     return config

@@ -56,7 +56,7 @@ class ScheduledPipelineEngine(PipelineEngine):
             # bf16: gradients accumulate in the optimizer's fp32 buffers (immediate_grad_update),
             # and that is what is all-reduced and clipped; its own (partial-norm) clipping is off.
             self.optimizer.clip_grad = 0.0
-        if plan.config.fp16:      # the chunks become fp16, the optimizer steps fp32 masters (runtime/fp16_masters.py)
+        if plan.config.fp16_masters:     # the chunks become fp16, the optimizer steps fp32 masters (fp16_masters.py)
             from .fp16_masters import Fp16MasterOptimizer
             from .loss_scale import LossScale
             self.optimizer = Fp16MasterOptimizer(self.optimizer, LossScale(plan.config.loss_scale),
@@ -213,8 +213,11 @@ class ScheduledPipelineEngine(PipelineEngine):
         return loss_mean()
 
     def _loss_scale(self) -> float:
-        """fp16: the loss scale each backward starts from (runtime/loss_scale.py); 1 otherwise."""
-        return self.optimizer.scale if self.plan.config.fp16 else 1.0
+        """fp16: the loss scale each backward starts from (ZeRO-0: runtime/loss_scale.py; ZeRO-1: DeepSpeed's
+        ZeRO-1 optimizer's own DynamicLossScaler); 1 otherwise."""
+        if not self.plan.config.fp16:
+            return 1.0
+        return self.optimizer.scale if self.plan.config.fp16_masters else self.optimizer.loss_scale
 
     def _print_progress(self, elapsed: float) -> None:
         """DeepSpeed-style progress line every ``steps_per_print`` train_batch calls."""
@@ -383,7 +386,8 @@ class ScheduledPipelineEngine(PipelineEngine):
             if self.host.shards is not None and result[0] is not None:    # the loaded full weights' slices
                 for sharded in self.host.shards.by_chunk.values():
                     sharded.shard_from_full()
-            if self.plan.config.fp16 and result[0] is not None and (load_module_only or not load_optimizer_states):
+            if self.plan.config.fp16_masters and result[0] is not None and (load_module_only or
+                                                                             not load_optimizer_states):
                 self.optimizer.refresh_fp32_params()    # weights without optimizer state: the masters follow them
             if self.using_bf16_optimizer:
                 self.optimizer.clip_grad = 0.0     # a loaded state restores DeepSpeed's partial-norm clipping

@@ -53,7 +53,6 @@ class PipelineHost:
         self.split_chunks = split_chunks(plan.schedule.orders[self.pipe_rank])
         holders = tied_holders(engine.module._layer_specs, self.placement, plan.parts)
         self.tied_owner = {key: min(ranks) for key, ranks in holders.items()}
-        self._mark_pipeline_copies()
         grid = engine.grid
         self.tensor_rank = grid.get_slice_parallel_rank()
         pipelines, families = every_pipeline(grid, self.placement.num_ranks)
@@ -73,9 +72,13 @@ class PipelineHost:
         self.batches: dict = {}
         # ZeRO-2/3: this rank's chunks sharded over data parallelism (see .sharding)
         self.shards = prepared.shards
-        # fp16 (ZeRO stage 0 only): the optimizer is the fp32 masters' wrapper (runtime/fp16_masters.py)
-        self.fp16 = engine.optimizer if plan.config.fp16 else None
+        # fp16 at ZeRO stage 0: the optimizer is the fp32 masters' wrapper (runtime/fp16_masters.py); at ZeRO-1
+        # DeepSpeed's ZeRO-1 optimizer unscales, checks for overflow everywhere and clips (clips_itself)
+        self.fp16 = engine.optimizer if plan.config.fp16_masters else None
+        self.half_inputs = plan.config.fp16
         self.gradients = gradient_sync_for(self, engine, self.shards, self.fp16)
+        if self.gradients.clips_itself:
+            self._mark_pipeline_copies()     # DeepSpeed's ZeRO-1 optimizer takes the norm
 
     # ---- the step's data ----------------------------------------------------------------------
     def begin(self, batches: dict, train: bool) -> None:
@@ -87,7 +90,7 @@ class PipelineHost:
 
     def load_input(self, chunk: int, mb: int):
         inputs = self.batches[mb][0]
-        return to_half(inputs) if self.fp16 is not None else inputs
+        return to_half(inputs) if self.half_inputs else inputs
 
     def forward(self, chunk: int, mb: int, x, capture, train: bool):
         return self.chunk_modules[chunk](x, capture)
@@ -126,8 +129,8 @@ class PipelineHost:
         return owned
 
     def _mark_pipeline_copies(self) -> None:
-        """DeepSpeed's own norms (ZeRO-1's, which clips under ZeRO-1) skip a parameter marked
-        ``ds_pipe_replicated``, as stock marks a tied module's copies: the same rule as :meth:`owned_params`."""
+        """Where DeepSpeed's optimizer takes the norm (ZeRO-1): it skips a parameter marked ``ds_pipe_replicated``,
+        as stock marks a tied module's copies; marked here by the same rule as :meth:`owned_params`."""
         for p, counted in self._held():
             p.ds_pipe_replicated = not counted
 

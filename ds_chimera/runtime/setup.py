@@ -55,6 +55,8 @@ def prepare_module(module, config: PipelineConfig, stock_keys: dict | None = Non
     plan = dataclasses.replace(plan, stock_optimizer_order=stock_optimizer_order)
     zero = config.zero_stage
     _check_tensor_parallel(plan, grid.get_slice_parallel_world_size(), zero)
+    if config.fp16 and zero == 1:
+        _check_fp16_zero1_device()
     if zero >= 2:
         _refuse_ties_under_sharding(module, zero)
     if not plan.schedule.synchronous:
@@ -146,6 +148,18 @@ def _check_tensor_parallel(plan, tensor_size: int, zero: int) -> None:
     if zero >= 2:
         raise ValueError(f"ZeRO stage {zero} with tensor-parallel size {tensor_size}: the pipeline schedules shard a "
                          f"chunk over data parallelism only; use ZeRO stage 0 or 1 (as Megatron-DeepSpeed runs 3D)")
+
+
+def _check_fp16_zero1_device() -> None:
+    """fp16 with ZeRO-1 runs DeepSpeed's ZeRO-1 fp16 optimizer, which DeepSpeed's engine builds only where its
+    accelerator reports fp16 (its CPU accelerator does not): refused here with what runs instead."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if not accelerator.is_fp16_supported():
+        raise ValueError(f"fp16 with ZeRO stage 1 runs DeepSpeed's ZeRO-1 fp16 optimizer, which DeepSpeed refuses on "
+                         f"the {accelerator.device_name()!r} accelerator (is_fp16_supported() is False); use fp16 "
+                         f"with ZeRO stage 0 (ds_chimera's fp32 masters run on any device), or bf16 with ZeRO "
+                         f"stage 1")
 
 
 def _check_async_setup(module, plan, config: PipelineConfig, zero: int) -> None:

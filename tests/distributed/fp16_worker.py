@@ -28,6 +28,8 @@ from models import (BASE_SEED, WIDTH, build_reference, deepspeed_loss_scaler, fp
 
 STEPS, N, LR, CLIP = 6, 8, 0.05, 1.0
 OVERFLOW_STEPS = (1, 2)
+ZERO1_N = 4              # micro-batches per data-parallel rank under ZeRO-1 (2 stages x 2 data-parallel ranks)
+ZERO1_SCHEDULES = ["1f1b", "chimera", "zbv", "interleaved", "gpipe", "zb-h1", "breadth-first", "dualpipev"]
 FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 10, "loss_scale_window": 2, "hysteresis": 2,
         "min_loss_scale": 1}
 
@@ -181,6 +183,79 @@ def resume(schedule: str, directory: str) -> dict:
             "master_grads_after_step": sum(m.grad is not None for _, m in third.optimizer.pairs)}
 
 
+def zero1_layers(engine) -> dict:
+    """Global layer index -> fp16 weights, over every rank (ds_chimera's engine or the stock one)."""
+    if hasattr(engine, "chunk_modules"):
+        layers = engine.owned_layers()
+    else:
+        module = engine.module
+        layers = {module._local_start + i: f for i, f in enumerate(module.forward_funcs)}
+    mine = {str(idx): [p.detach().float().tolist() for p in layer.parameters()]
+            for idx, layer in layers.items() if isinstance(layer, nn.Module) and any(True for _ in layer.parameters())}
+    every = [None] * tdist.get_world_size()
+    tdist.all_gather_object(every, mine)
+    return {k: v for part in every for k, v in part.items()}
+
+
+def zero1_engine(schedule):
+    """fp16 with ZeRO-1 on 2 stages x 2 data-parallel ranks: DeepSpeed's ZeRO-1 fp16 optimizer keeps the fp32
+    partitions and the scale; ``schedule`` None is DeepSpeed's stock engine (the reference). Returns the engine
+    and the rank that overflows (the last one holding the poisoned layer)."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ZERO1_N, "gradient_clipping": CLIP,
+           "fp16": dict(FP16), "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
+           "steps_per_print": 1000}
+    if schedule is not None:
+        cfg["pipeline"] = {"schedule": schedule, "timeout": 60}
+    net = PipelineModule(layers=specs(), num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform",
+                         seed_layers=True, base_seed=BASE_SEED)
+    engine = deepspeed.initialize(model=net, config=cfg,
+                                  optimizer=lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9))[0]
+    holds = any(isinstance(m, Poison) for m in engine.module.modules())
+    every = [None] * tdist.get_world_size()
+    tdist.all_gather_object(every, holds)
+    return engine, [r for r, held in enumerate(every) if held][-1]
+
+
+def zero1_step(engine, step: int, poison_rank: int) -> tuple:
+    """One train_batch of this data-parallel rank's micro-batches (fp16), the inf at OVERFLOW_STEPS: (loss, scale)."""
+    dp_id = engine.grid.get_data_parallel_id()
+    mine = [(x.half(), y.half()) for x, y in make_global_batches(ZERO1_N * 2)(step)[dp_id * ZERO1_N:
+                                                                                     (dp_id + 1) * ZERO1_N]]
+    Poison.armed = step in OVERFLOW_STEPS and tdist.get_rank() == poison_rank
+    loss = float(engine.train_batch(iter(mine)))
+    Poison.armed = False
+    return loss, float(engine.optimizer.loss_scale)
+
+
+def train_zero1(schedule) -> dict:
+    engine, poison_rank = zero1_engine(schedule)
+    losses, scales, skipped = [], [], []
+    for step in range(STEPS):
+        loss, scale = zero1_step(engine, step, poison_rank)
+        losses.append(loss)
+        scales.append(scale)
+        skipped.append(engine.skipped_steps)
+    dtypes = sorted({str(p.dtype) for p in engine.module.parameters()})
+    return {"losses": losses, "scales": scales, "skipped": skipped, "weights": zero1_layers(engine),
+            "dtypes": dtypes, "poisoned_rank": poison_rank, "global_steps": engine.global_steps,
+            "optimizer": type(engine.optimizer).__name__}
+
+
+def resume_zero1(schedule: str, directory: str) -> dict:
+    """Saved after the overflows (step 3 of 6), DeepSpeed's ZeRO-1 partitions and scale state resume exactly."""
+    first, poison_rank = zero1_engine(schedule)
+    for step in range(3):
+        zero1_step(first, step, poison_rank)
+    first.save_checkpoint(directory, tag="step3")
+    straight = [zero1_step(first, step, poison_rank) for step in range(3, STEPS)]
+    straight_weights = zero1_layers(first)
+    second, _ = zero1_engine(schedule)
+    second.load_checkpoint(directory, tag="step3")
+    resumed = [zero1_step(second, step, poison_rank) for step in range(3, STEPS)]
+    return {"straight": straight, "resumed": resumed, "same_weights": straight_weights == zero1_layers(second),
+            "skipped_resumed": second.skipped_steps}
+
+
 CASES = {"1f1b": ({}, 0), "chimera": ({}, -1), "zbv": ({}, 0), "interleaved": ({}, 0), "gpipe": ({}, 0),
          "zb-h1": ({}, 0), "breadth-first": ({}, -1), "dualpipev": ({}, 0)}
 
@@ -191,6 +266,14 @@ def main():
     for name, (options, pick) in CASES.items():
         out[name] = train(name, options, pick)
     out["resume-zbv"] = resume("zbv", os.path.join(os.path.dirname(sys.argv[1]), "fp16-ckpt"))
+    # DeepSpeed's CPU accelerator reports no fp16, so its engine refuses fp16 with ZeRO (whose fp16 optimizer it
+    # builds); torch's CPU kernels run fp16, so the check is lifted here, for the stock engine and ds_chimera's
+    from deepspeed.accelerator import get_accelerator
+    get_accelerator().is_fp16_supported = lambda: True
+    out["zero1-stock"] = train_zero1(None)
+    for name in ZERO1_SCHEDULES:
+        out[f"zero1-{name}"] = train_zero1(name)
+    out["resume-zero1-chimera"] = resume_zero1("chimera", os.path.join(os.path.dirname(sys.argv[1]), "zero1-ckpt"))
     with open(f"{sys.argv[1]}.rank{tdist.get_rank()}", "w") as fh:
         json.dump(out, fh)
     tdist.barrier()
