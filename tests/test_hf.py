@@ -235,7 +235,8 @@ def test_resolve_takes_the_arguments_and_the_pipelines_data_parallel_size():
     (pipe_config(train_batch_size=6, pipeline={"schedule": "interleaved"}), 4,
      "interleaved needs micro_batches to be a multiple of stages (4), got 3"),
     ({"train_batch_size": 8, "pipeline": {"stages": 2}}, 4, "\"pipeline\" section needs a schedule"),
-    (pipe_config(fp16={"enabled": True}), 4, "with the HF Trainer's pipeline is not supported yet"),
+    (pipe_config(fp16={"enabled": True}), 4, "the DeepSpeed config's fp16.enabled=True disagrees with fp16=False; "
+                                             "set it to \"auto\" or pass --fp16 True"),
 ])
 def test_resolve_refuses_bad_setups_by_value(config, world, message):
     a = args(gradient_accumulation_steps=3) if "interleaved" in str(config) and world == 4 else Args()
@@ -246,7 +247,7 @@ def test_resolve_refuses_bad_setups_by_value(config, world, message):
 
 @pytest.mark.parametrize("attr,value", [("label_smoothing_factor", 0.1), ("use_liger_kernel", True),
                                         ("load_best_model_at_end", True), ("torch_compile", True),
-                                        ("neftune_noise_alpha", 5.0), ("fp16", True)])
+                                        ("neftune_noise_alpha", 5.0)])
 def test_resolve_refuses_arguments_the_pipeline_would_ignore(attr, value):
     with pytest.raises(ValueError, match=f"does not support TrainingArguments\\({attr}={value!r}\\)"):
         resolve(pipe_config(), args(**{attr: value}), world_size=4)
@@ -576,3 +577,16 @@ def test_a_config_file_is_read_as_deepspeed_reads_it_a_key_given_twice_refused(t
         read_config(str(path))
     path.write_text('{train_batch_size: 8, pipeline: {schedule: "chimera"}}')        # HJSON, as DeepSpeed reads
     assert load_config(str(path)) == {"train_batch_size": 8, "pipeline": {"schedule": "chimera"}}
+
+
+def test_fp16_follows_the_trainers_argument_as_bf16_does():
+    """--fp16 with "fp16": {"enabled": "auto"} (HF's DeepSpeed configs) turns fp16 on, keeping the section's loss-scale
+    keys; no --fp16 turns an "auto" section off; a section without "enabled" follows the argument too."""
+    on = resolve(pipe_config(fp16={"enabled": "auto", "initial_scale_power": 12}), args(fp16=True), world_size=4)
+    assert on.config["fp16"] == {"enabled": True, "initial_scale_power": 12} and on.pipeline.fp16
+    assert on.pipeline.loss_scale.initial_scale_power == 12
+    off = resolve(pipe_config(fp16={"enabled": "auto"}), args(), world_size=4)
+    assert off.config["fp16"]["enabled"] is False and off.pipeline.precision == "fp32"
+    assert resolve(pipe_config(), args(fp16=True), world_size=4).pipeline.fp16
+    with pytest.raises(ValueError, match="bf16.enabled=True disagrees with bf16=False"):
+        resolve(pipe_config(bf16={"enabled": True}), args(fp16=True), world_size=4)

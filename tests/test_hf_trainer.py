@@ -25,11 +25,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DIST = os.path.join(HERE, "distributed")
 sys.path.insert(0, DIST)
 from hf_assets import make_assets  # noqa: E402
-from hf_worker import CASES, RESUMED  # noqa: E402
+from hf_worker import CASES, FP16, RESUMED  # noqa: E402
 
 RANKS = 4
 TRAINED = list(CASES)
-PIPELINE = TRAINED + list(RESUMED) + ["example"]
+PIPELINE = TRAINED + list(RESUMED) + list(FP16) + ["example"]
 REFUSALS = ["refuse-zbv-layers", "refuse-batch", "refuse-schedule"]
 UNTIMED = ("runtime", "per_second")          # wall-clock values differ by nature
 STEPS = {"chimera-gpt2": 6, "1f1b-llama-padded": 5, "zbv-gpt2": 5, "gpipe-2x2-llama-tied": 4}
@@ -121,6 +121,37 @@ def test_trained_weights_equal_the_plain_trainers(runs, case):
     assert max((saved[k] - saved_ref[k]).abs().max().item() for k in saved_ref) <= 1e-5
 
 
+@pytest.mark.parametrize("case", list(FP16))
+def test_fp16_runs_the_engine_in_fp16_and_a_skipped_step_holds_hfs_scheduler(runs, case):
+    """``--fp16`` with ``"fp16": {"enabled": "auto"}``: the stages hold fp16 weights, the first steps overflow at
+    scale 2^18 and are skipped on every rank (DeepSpeed's rule), HF's own LR scheduler does not step on them (its
+    loop reads ``optimizer_step_was_skipped``, as with DeepSpeed's own fp16), and the exported model is fp32.
+    The plain Trainer on CPU trains this case in fp32: the first loss (no update yet) agrees to fp16 resolution."""
+    ref = result(runs, "plain", FP16[case])["log_history"]
+    ref_lrs = steps(ref, "learning_rate")
+    for rank in range(RANKS):
+        ours = result(runs, "pipe", case, rank)
+        engine, history = ours["engine"], ours["log_history"]
+        assert engine["stage_dtypes"] == ["torch.float16"] and engine["model_dtypes"] == ["torch.float32"]
+        train = [h for h in history if "loss" in h and "eval_loss" not in h]
+        assert len(train) == engine["global_steps"] == STEPS[FP16[case]]
+        skipped = [i for i, h in enumerate(train) if h.get("grad_norm") is None]      # no norm on a skipped step
+        assert len(skipped) == engine["skipped_steps"] and 0 < len(skipped) < len(train), (rank, engine)
+        assert engine["lr_scheduler_steps"] == len(train) - len(skipped)
+        # the learning rate each step logs is the schedule's at the number of steps applied before it
+        applied = [sum(1 for j in range(i) if j not in skipped) for i in range(len(train))]
+        assert [h["learning_rate"] for h in train] == [ref_lrs[k] for k in applied], (rank, train)
+        assert train[0]["loss"] == pytest.approx(steps(ref, "loss")[0], rel=2e-3)
+        assert train[-1]["loss"] < train[0]["loss"]
+    # the checkpoint's optimizer.pt (for a plain Trainer) holds the state the fp32 masters were stepped with
+    packed = torch.load(runs["root"] / "pipe" / case / "out" / "checkpoint-3" / "optimizer.pt", weights_only=False)
+    slots = [slot for group in packed["param_groups"] for slot in group["params"]]
+    assert sorted(packed["state"]) == sorted(slots) and slots
+    for state in packed["state"].values():
+        assert state["exp_avg"].dtype == torch.float32 and torch.isfinite(state["exp_avg_sq"]).all()
+        assert state["exp_avg_sq"].abs().sum() > 0
+
+
 def test_the_gradient_scale_is_tested_clipped_and_unclipped(runs):
     """A clipped step hides a wrong gradient scale: the cases cover active, inactive and disabled clipping."""
     norms = {case: steps(result(runs, "plain", case)["log_history"], "grad_norm") for case in TRAINED}
@@ -165,8 +196,8 @@ def test_only_the_main_process_logs(runs):
         flags = [result(runs, "pipe", case, rank)["should_log"] for rank in range(RANKS)]
         assert flags == [True, False, False, False]
     assert sorted(set(int(r) for r in re.findall(r"Process rank: (\d+)", out))) == list(range(RANKS))
-    assert out.count("***** Running training *****") == len(TRAINED) + len(RESUMED) + 1     # + the example
-    assert out.count("'train_loss'") == len(TRAINED) + len(RESUMED) + 1
+    assert out.count("***** Running training *****") == len(TRAINED) + len(RESUMED) + len(FP16) + 1   # + example
+    assert out.count("'train_loss'") == len(TRAINED) + len(RESUMED) + len(FP16) + 1
 
 
 def test_the_explicit_example_trains_and_reloads(runs):

@@ -19,8 +19,15 @@ class OneProcessView:
     process_index = 0
     local_process_index = 0
 
-    def __init__(self, accelerator):
+    def __init__(self, accelerator, step_skipped=lambda: False):
+        """``step_skipped``: whether the engine skipped its last step (an fp16 overflow on some rank)."""
         object.__setattr__(self, "_accelerator", accelerator)
+        object.__setattr__(self, "_step_skipped", step_skipped)
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """HF's loop leaves its LR scheduler alone after a skipped step, as DeepSpeed's engine leaves its own."""
+        return self._step_skipped()
 
     def __getattr__(self, name):
         return getattr(self._accelerator, name)

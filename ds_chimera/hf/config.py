@@ -108,7 +108,6 @@ def _batch_keys(config: dict, micro: int, n: int, dp: int, stages: int, world: i
 IGNORED_ARGUMENTS = [
     ("label_smoothing_factor", 0.0, "the loss is ds_chimera.hf's causal-LM loss without smoothing"),
     ("load_best_model_at_end", False, "pick the checkpoint from state.log_history yourself"),
-    ("fp16", False, "fp16 (loss scaling) is not supported by ds_chimera schedules yet; use bf16 or fp32"),
     ("fp16_full_eval", False, "evaluation runs in the training precision"),
     ("bf16_full_eval", False, "evaluation runs in the training precision"),
     ("torch_compile", False, "the pipeline stages are not compiled"),
@@ -189,25 +188,25 @@ def resolve(raw, args, world_size: int) -> PipelineSetup:
     _fill_optimizer(config, args)
     # the reconciled config is what runs: parsed once (fp16 / ZeRO, as deepspeed.initialize would refuse them)
     pipeline = PipelineConfig.from_deepspeed(config, sharding=False)
-    if pipeline.fp16:
-        raise ValueError('"fp16": {"enabled": true} with the HF Trainer\'s pipeline is not supported yet (it runs on '
-                         "deepspeed.initialize's scheduled engine): use bf16 (--bf16) or fp32")
     if not pipeline.planned:    # "auto": the planner only picks schedules that build, and the engine re-checks
         pipeline.build_schedule(stages, n)      # the schedule's own limits (N vs D, ZeRO-1 with replicas), now
     return PipelineSetup(config, pipeline, stages, dp, micro, n)
 
 
 def _agree_precision(config: dict, args) -> None:
-    section = config.get("bf16") or config.get("bfloat16")
-    enabled = (section or {}).get("enabled", AUTO)
-    if enabled == AUTO:
-        if args.bf16:
-            config["bf16"] = {**(section or {}), "enabled": True}
-        elif section is not None:
-            section["enabled"] = False
-    elif bool(enabled) != bool(args.bf16):
-        raise ValueError(f"the DeepSpeed config's bf16.enabled={enabled!r} disagrees with bf16={args.bf16}; set it "
-                         f"to \"auto\" or pass --bf16 {bool(enabled)}")
+    """The config's "bf16" and "fp16" sections against ``--bf16`` / ``--fp16``: "auto" takes the argument, a
+    concrete value must agree with it (HF's rule for its DeepSpeed configs)."""
+    for key, aliases, given in (("bf16", ("bf16", "bfloat16"), bool(args.bf16)), ("fp16", ("fp16",), bool(args.fp16))):
+        section = next((config[name] for name in aliases if config.get(name) is not None), None)
+        enabled = (section or {}).get("enabled", AUTO)
+        if enabled == AUTO:
+            if given:
+                config[key] = {**(section or {}), "enabled": True}
+            elif section is not None:
+                section["enabled"] = False
+        elif bool(enabled) != given:
+            raise ValueError(f"the DeepSpeed config's {key}.enabled={enabled!r} disagrees with {key}={given}; set it "
+                             f"to \"auto\" or pass --{key} {bool(enabled)}")
 
 
 def _fill_optimizer(config: dict, args) -> None:

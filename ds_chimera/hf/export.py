@@ -57,11 +57,13 @@ def read_layer_files(path: str) -> dict:
 def engine_layer_states(engine) -> dict:
     """This rank's share of the layer states: the layers whose stage it is the first holder of (data-parallel 0).
 
-    Under bf16 the modules hold bf16 copies; the weights trained are the optimizer's fp32 masters, and
-    those are what an HF checkpoint gets (a plain ``--bf16`` Trainer saves fp32 too). Collective over
-    data parallelism then (DeepSpeed partitions the masters over it): call on every rank."""
+    Under bf16 and fp16 the modules hold 16-bit copies; the weights trained are the optimizer's fp32 masters,
+    and those are what an HF checkpoint gets (a plain ``--bf16`` or ``--fp16`` Trainer saves fp32 too).
+    Collective over data parallelism then (DeepSpeed partitions the masters over it): call on every rank."""
     owned = engine.owned_layers()
-    masters = _fp32_masters(engine) if getattr(engine, "using_bf16_optimizer", False) else {}
+    masters = {}
+    if getattr(engine, "using_bf16_optimizer", False) or engine.plan.config.fp16:
+        masters = _fp32_masters(engine)
     states = {}
     for idx, obj in owned.items():
         named = dict(obj.named_parameters())
@@ -74,6 +76,9 @@ def _fp32_masters(engine) -> dict:
     """id(module parameter) -> its full fp32 master, for every layer on this rank in layer order (each
     parameter's all-reduce over the data-parallel group runs in the same order on every replica)."""
     from deepspeed.utils import safe_get_full_fp32_param
+    own = getattr(engine.optimizer, "master_of", None)     # fp16 at ZeRO-0: ds_chimera's masters (fp16_masters.py)
+    if own is not None:
+        return {key: master.detach() for key, master in own.items()}
     out = {}
     for _, (_, obj) in sorted(engine._layer_objects().items()):
         for p in (obj.parameters() if hasattr(obj, "parameters") else ()):

@@ -74,6 +74,8 @@ def local_optimizer_state(trainer) -> tuple:
     group_of = {hf_names[id(p)]: i for i, g in enumerate(trainer.hf_optimizer.param_groups) for p in g["params"]
                 if id(p) in hf_names}
     direct = {id(p) for g in opt.param_groups for p in g["params"]}
+    # fp16 at ZeRO-0: the optimizer steps ds_chimera's fp32 masters (runtime/fp16_masters.py), whose state it is
+    master_of = getattr(engine.optimizer, "master_of", {})
     if hasattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state"):
         # DeepSpeed's ZeRO-1/2 link each parameter to its optimizer state after stepping the first
         # group, when the other groups have none yet (their fragments stay empty): link them again
@@ -87,8 +89,9 @@ def local_optimizer_state(trainer) -> tuple:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            if id(p) in direct:                                    # ZeRO-0, fp32: the parameter's own state
-                state = {k: _cpu(v) for k, v in opt.state.get(p, {}).items()}
+            stepped = master_of.get(id(p), p)
+            if id(stepped) in direct:                              # ZeRO-0: the parameter's (or master's) state
+                state = {k: _cpu(v) for k, v in opt.state.get(stepped, {}).items()}
             else:                                                  # ZeRO-1 / bf16: assembled (collective)
                 from deepspeed.utils import safe_get_full_optimizer_state
                 full = {k: safe_get_full_optimizer_state(p, k) for k in keys}

@@ -103,6 +103,7 @@ class PipelineTrainer(Trainer):
         self.compute_rng = ComputeRNG(args.seed, rank)
         self._pending, self._mask = [], None
         self._step_grad_norm = None
+        self._step_skipped = False           # the engine skipped the last step (fp16 overflow)
         self._staging = None
         super().__init__(model=model, args=args, **kwargs)
         # HF's own DeepSpeed paths (deepspeed_init, DeepSpeed saving) must never run: the engine is ours
@@ -111,7 +112,7 @@ class PipelineTrainer(Trainer):
     # ---- the Trainer sees one process holding the global batch ---------------------------------
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        self.accelerator = OneProcessView(self.accelerator)
+        self.accelerator = OneProcessView(self.accelerator, step_skipped=lambda: self._step_skipped)
         self.gather_function = self.accelerator.gather_for_metrics
 
     def get_train_dataloader(self):
@@ -199,8 +200,10 @@ class PipelineTrainer(Trainer):
         setup = self.setup
         pairs = train_micro_batches(batches, setup.micro_batches, setup.data_parallel, self.dp_rank,
                                     num_items_in_batch, len(batches), self._mask)
+        skipped_before = self.engine.skipped_steps
         with self.compute_rng.active():
             loss = self.engine.train_batch(iter(pairs))
+        self._step_skipped = self.engine.skipped_steps > skipped_before
         self._step_grad_norm = getattr(self.engine, "_global_grad_norm", None)
         return loss.detach().reshape(()).to(device)
 

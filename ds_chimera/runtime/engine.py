@@ -215,9 +215,7 @@ class ScheduledPipelineEngine(PipelineEngine):
     def _loss_scale(self) -> float:
         """fp16: the loss scale each backward starts from (ZeRO-0: runtime/loss_scale.py; ZeRO-1: DeepSpeed's
         ZeRO-1 optimizer's own DynamicLossScaler); 1 otherwise."""
-        if not self.plan.config.fp16:
-            return 1.0
-        return self.optimizer.scale if self.plan.config.fp16_masters else self.optimizer.loss_scale
+        return self.optimizer.cur_scale if self.plan.config.fp16 else 1.0
 
     def _print_progress(self, elapsed: float) -> None:
         """DeepSpeed-style progress line every ``steps_per_print`` train_batch calls."""

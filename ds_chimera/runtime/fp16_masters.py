@@ -53,7 +53,8 @@ class Fp16MasterOptimizer:
         return self.optimizer.state
 
     @property
-    def scale(self) -> float:
+    def cur_scale(self) -> float:
+        """The loss scale, by the name DeepSpeed's fp16 optimizers give it (Megatron-DeepSpeed logs it)."""
         return self.loss_scale.scale
 
     def unscale(self, reduce, device=None) -> bool:

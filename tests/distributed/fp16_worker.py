@@ -90,7 +90,7 @@ def train(schedule: str, options: dict, pick: int) -> dict:
         Poison.armed = step in OVERFLOW_STEPS and rank == poison_rank
         losses.append(float(engine.train_batch(iter(batches(step)))))
         Poison.armed = False
-        scales.append(engine.optimizer.scale)
+        scales.append(engine.optimizer.cur_scale)
         skipped.append(engine.skipped_steps)
     weights = {str(idx): [p.detach().float().tolist() for p in layer.parameters()]
                for idx, layer in engine.owned_layers().items()}
@@ -153,7 +153,7 @@ def resume(schedule: str, directory: str) -> dict:
         out = []
         for step in range(start, STEPS):
             Poison.armed = step in OVERFLOW_STEPS and rank == poisoned
-            out.append((float(engine.train_batch(iter(batches(step)))), engine.optimizer.scale))
+            out.append((float(engine.train_batch(iter(batches(step)))), engine.optimizer.cur_scale))
             Poison.armed = False
         return out, {str(i): [p.detach().float().tolist() for p in layer.parameters()]
                      for i, layer in engine.owned_layers().items()}

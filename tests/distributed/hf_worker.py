@@ -46,6 +46,11 @@ CASES = {
                              ["--gradient_accumulation_steps", "4"]),
 }
 RESUMED = {"chimera-gpt2-resumed": "chimera-gpt2"}     # resumes the other case's checkpoint-3
+# pipelined only, compared with the plain fp32 run of the case named: --fp16, "fp16": {"enabled": "auto"}, a scale
+# high enough that the first steps overflow (DeepSpeed's rule: skipped, the scale halved)
+FP16 = {"zbv-gpt2-fp16": "zbv-gpt2"}
+FP16_SECTION = {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 18, "loss_scale_window": 2, "hysteresis": 1,
+                "min_loss_scale": 1}
 
 
 def ds_config(schedule: str, stages: int) -> dict:
@@ -64,7 +69,7 @@ def write_json(path: str, value) -> str:
 
 
 def argv_for(name: str, assets: str, out: str, pipelined: bool) -> list:
-    base = RESUMED.get(name, name)
+    base = RESUMED.get(name, FP16.get(name, name))
     model, schedule, stages, args, plain_args = CASES[base]
     argv = ["--config_name", os.path.join(assets, model), "--tokenizer_name", os.path.join(assets, "tokenizer"),
             "--train_file", os.path.join(assets, "train.txt"), "--validation_file", os.path.join(assets, "valid.txt"),
@@ -72,7 +77,11 @@ def argv_for(name: str, assets: str, out: str, pipelined: bool) -> list:
     if name in RESUMED:
         argv += ["--resume_from_checkpoint", os.path.join(out, base, "out", "checkpoint-3")]
     if pipelined:
-        argv += ["--deepspeed", write_json(os.path.join(out, name, "ds_config.json"), ds_config(schedule, stages))]
+        config = ds_config(schedule, stages)
+        if name in FP16:
+            config["fp16"] = dict(FP16_SECTION)
+            argv += ["--fp16", "--save_strategy", "steps", "--save_steps", "3"]
+        argv += ["--deepspeed", write_json(os.path.join(out, name, "ds_config.json"), config)]
     else:
         argv += plain_args
     return argv
@@ -93,6 +102,13 @@ def run_case(name: str, assets: str, out: str, pipelined: bool) -> None:
               "predictions": prediction.predictions.tolist(), "label_ids": prediction.label_ids.tolist(),
               "predict_metrics": prediction.metrics, "world_process_zero": trainer.is_world_process_zero(),
               "should_log": trainer.args.should_log}
+    engine = getattr(trainer, "engine", None)
+    if engine is not None:     # pipelined: what the engine ran (precision, skipped steps) and HF's scheduler steps
+        record["engine"] = {"skipped_steps": engine.skipped_steps, "global_steps": engine.global_steps,
+                            "loss_scale": float(getattr(engine.optimizer, "cur_scale", 1.0)),
+                            "stage_dtypes": sorted({str(p.dtype) for p in engine.module.parameters()}),
+                            "lr_scheduler_steps": trainer.lr_scheduler.last_epoch,
+                            "model_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()})}
     write_json(os.path.join(out, name, f"result-rank{r}.json"), record)
     torch.save({k: v.detach().cpu() for k, v in trainer.model.state_dict().items()},
                os.path.join(out, name, f"weights-rank{r}.pt"))

@@ -220,7 +220,7 @@ def train_fp16(topology, tensor_group, schedule: str, poisoned_rank: int) -> dic
         armed[0] = step in OVERFLOW_STEPS
         losses.append(float(engine.train_batch(iter(batches(step, dp)[d * N:(d + 1) * N]))))
         armed[0] = False
-        scales.append(engine.optimizer.scale)
+        scales.append(engine.optimizer.cur_scale)
         skipped.append(engine.skipped_steps)
     every = [None] * tdist.get_world_size()
     tdist.all_gather_object(every, (scales, skipped))

@@ -7,7 +7,8 @@ Why: the loss files carry timings too, so a plain diff always differs; this prin
     python3 tools/megatron_deepspeed/compare.py RUN_A RUN_B [--skip N] [--from IT]
         (run dirs or their loss.tsv files; --from IT: compare losses from iteration IT on, e.g. 11 for a resume
         from iteration 10 against the uninterrupted run)
-Exit status 0 if both runs have the same iterations (from IT on) and identical losses, 1 otherwise.
+Exit status 0 if both runs have the same iterations (from IT on), identical losses and (fp16) loss scales, 1
+otherwise.
 """
 import os
 import statistics
@@ -21,8 +22,10 @@ def load(path):
     with open(path) as fh:
         next(fh)
         for line in fh:
-            it, loss, lr, ms = line.split("\t")
-            rows[int(it)] = (float(loss), float(lr), float(ms))
+            cols = line.rstrip("\n").split("\t")
+            it, loss, lr, ms = cols[:4]
+            scale = cols[4] if len(cols) > 4 and cols[4] != "-" else None      # fp16 runs log their loss scale
+            rows[int(it)] = (float(loss), float(lr), float(ms), scale)
     return path, rows
 
 
@@ -55,6 +58,11 @@ def main():
         flag = "" if la[1] == lb[1] else "  (lr differs)"
         print(f"{it:>4}  {la[0]:13.6E}  {lb[0]:13.6E}  {d:11.3E}  {la[1]:9.3E}  {lb[1]:9.3E}{flag}")
     common = sorted(set(a) & set(b))
+    scales_differ = [it for it in common if a[it][3] != b[it][3]]
+    if any(a[it][3] is not None for it in common):
+        print("loss scales: " + (f"differ at iteration(s) {scales_differ}" if scales_differ else
+                                 "equal at every common iteration") + "; iterations absent from a run were skipped "
+                                                                      "(no lm loss logged)")
     print(f"iterations: A {len(a)}, B {len(b)}, common {len(common)}")
     where = f"first at iteration {max_it}, {n_diff} iteration(s) differ" if n_diff else "all equal"
     print(f"max |loss B - loss A|: {max_diff:.3E} ({where}; losses are logged to 7 significant digits)")
@@ -63,7 +71,7 @@ def main():
         if kept:
             times = [rows[i][2] for i in kept]
             print(f"median ms/iteration {name}: {statistics.median(times):.1f}  (iterations {kept[0]}..{kept[-1]})")
-    sys.exit(0 if same and max_diff == 0.0 and common else 1)
+    sys.exit(0 if same and max_diff == 0.0 and common and not scales_differ else 1)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ JSON config, and write each iteration's lm loss to a file that diffs between run
 Why: one command that runs the same small, seeded GPT training under stock DeepSpeed or, with ``--chimera``
 (``MDS_CHIMERA=1``), under ds_chimera with the schedule named in the config, so the runs compare.
 
-    python3 tools/megatron_deepspeed/run.py CONFIG.json OUTDIR [--chimera] [--iters 20] [--bf16]
+    python3 tools/megatron_deepspeed/run.py CONFIG.json OUTDIR [--chimera] [--iters 20] [--bf16 | --fp16]
+                                            [--tensor-parallel T] [--data-parallel D] [--zero-stage Z]
                                             [--save DIR] [--load DIR] [--save-interval N] [-- MEGATRON ARGS...]
 
 OUTDIR gets: ds_config.json (the config with the batch keys filled from the run's sizes), log.txt (every
@@ -27,6 +28,8 @@ PROJECT = os.path.dirname(os.path.dirname(HERE))          # this checkout (ds_ch
 RANKS = 4
 ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|"
                      r" learning rate: ([\dE.+-]+) \|.*? lm loss: ([\dE.+-]+) \|")
+SCALE_RE = re.compile(r" loss scale: ([\d.]+) \|")                       # fp16 only
+SKIPPED_RE = re.compile(r" number of skipped iterations: +(\d+) \|")      # this log interval's
 
 
 def model_args(a, workdir):
@@ -50,7 +53,7 @@ def model_args(a, workdir):
         "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234", "--use-cpu-initialization",
         # parallelism
         "--tensor-model-parallel-size", str(a.tensor_parallel),
-        "--pipeline-model-parallel-size", str(RANKS // a.tensor_parallel),
+        "--pipeline-model-parallel-size", str(RANKS // (a.tensor_parallel * a.data_parallel)),
         "--distributed-backend", "gloo",
         # CPU: the fused weight-gradient accumulation is apex's CUDA extension (fused_weight_gradient_mlp_cuda)
         "--no-gradient-accumulation-fusion",
@@ -64,10 +67,14 @@ def model_args(a, workdir):
         # logging: every iteration, no evaluation
         "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "0",
         # DeepSpeed
-        "--deepspeed", "--deepspeed_config", os.path.join(a.outdir, "ds_config.json"), "--zero-stage", "0",
+        "--deepspeed", "--deepspeed_config", os.path.join(a.outdir, "ds_config.json"), "--zero-stage",
+        str(a.zero_stage),
     ]
     if a.bf16:
         args.append("--bf16")
+    if a.fp16:
+        # Megatron's loss-scale arguments are its own optimizer's; under --deepspeed the "fp16" section decides
+        args.append("--fp16")
     if a.save:
         args += ["--save", a.save, "--save-interval", str(a.save_interval or a.iters)]
     if a.load:
@@ -81,9 +88,16 @@ def write_config(a):
     # the batch keys follow the run's sizes (Megatron and DeepSpeed must agree on them)
     cfg["train_batch_size"] = a.global_batch
     cfg["train_micro_batch_size_per_gpu"] = a.micro_batch
-    cfg["gradient_accumulation_steps"] = a.global_batch // a.micro_batch      # DP = 1
+    cfg["gradient_accumulation_steps"] = a.global_batch // (a.micro_batch * a.data_parallel)
+    cfg["zero_optimization"] = {**cfg.get("zero_optimization", {}), "stage": a.zero_stage}
+    if a.zero_stage:
+        cfg["zero_allow_untested_optimizer"] = True       # Megatron-DeepSpeed's torch Adam under ZeRO
     if a.bf16:
         cfg["bf16"] = {"enabled": True}
+    if a.fp16:
+        # DeepSpeed's dynamic loss scale, a short window so the 20 iterations both lower and raise it
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 5,
+                       "hysteresis": 2, "min_loss_scale": 1}
     path = os.path.join(a.outdir, "ds_config.json")
     with open(path, "w") as fh:
         json.dump(cfg, fh, indent=2)
@@ -97,11 +111,13 @@ def parse_losses(log_path, out_path):
             m = ITER_RE.search(line)
             if m:
                 it, ms, lr, loss = m.groups()
-                rows.append((int(it), loss, lr, ms))
+                scale, skipped = SCALE_RE.search(line), SKIPPED_RE.search(line)
+                rows.append((int(it), loss, lr, ms, scale.group(1) if scale else "-",
+                             skipped.group(1) if skipped else "-"))
     with open(out_path, "w") as fh:
-        fh.write("iteration\tlm_loss\tlearning_rate\tms_per_iteration\n")
-        for it, loss, lr, ms in rows:
-            fh.write(f"{it}\t{loss}\t{lr}\t{ms}\n")
+        fh.write("iteration\tlm_loss\tlearning_rate\tms_per_iteration\tloss_scale\tskipped\n")
+        for row in rows:
+            fh.write("\t".join(str(x) for x in row) + "\n")
     return rows
 
 
@@ -114,7 +130,12 @@ def main():
     # micro-batch 1: Megatron-DeepSpeed HEAD's non-flash attention path fails for micro-batch > 1 (README.md)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--global-batch", type=int, default=8)
-    ap.add_argument("--bf16", action="store_true")
+    precision = ap.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true")
+    precision.add_argument("--fp16", action="store_true",
+                           help="Megatron's --fp16 with DeepSpeed's dynamic loss scale (and the CPU fp16 shim)")
+    ap.add_argument("--zero-stage", type=int, default=0, choices=(0, 1))
+    ap.add_argument("--data-parallel", type=int, default=1, choices=(1, 2, 4))
     ap.add_argument("--tensor-parallel", type=int, default=1, choices=(1, 2, 4),
                     help="Megatron's --tensor-model-parallel-size; the pipeline takes the other ranks")
     ap.add_argument("--save")
@@ -142,11 +163,12 @@ def main():
     env["PYTHONPATH"] = os.pathsep.join([HERE, repo, os.path.abspath(a.project)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["MDS_CHIMERA"] = "1" if a.chimera else "0"
+    env["MDS_FP16_ON_CPU"] = "1" if a.fp16 else "0"
     # --no_local_rank: Megatron asserts local_rank == rank % device_count, and the CPU accelerator counts 1 device
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(RANKS), "--no_local_rank",
            "--master_port", str(a.port), os.path.join(repo, "pretrain_gpt.py")] + model_args(a, a.workdir)
     with open(os.path.join(a.outdir, "cmd.txt"), "w") as fh:
-        fh.write(f"MDS_CHIMERA={env['MDS_CHIMERA']} PYTHONPATH={env['PYTHONPATH']} DS_ACCELERATOR=cpu "
+        fh.write(f"MDS_CHIMERA={env['MDS_CHIMERA']} MDS_FP16_ON_CPU={env['MDS_FP16_ON_CPU']} PYTHONPATH={env['PYTHONPATH']} DS_ACCELERATOR=cpu "
                  f"OMP_NUM_THREADS=1 " + " ".join(cmd) + "\n")
 
     shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))

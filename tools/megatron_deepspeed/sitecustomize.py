@@ -141,5 +141,17 @@ sys.meta_path.append(_STUBS)
 
 _after_import("megatron.model.gpt_model", _seed_layers, "seed_layers")
 
+
+def _fp16_on_cpu(cpu_accelerator):
+    """shim ``fp16_on_cpu`` (run.py --fp16): DeepSpeed's CPU accelerator reports no fp16, so DeepSpeed's engine
+    refuses "fp16" (and ds_chimera refuses fp16 with ZeRO-1, whose optimizer is DeepSpeed's). torch's CPU kernels
+    run fp16, so the report is lifted for the stock engine and ds_chimera's alike, which makes the run possible on
+    this host; a GPU accelerator reports fp16 itself."""
+    cpu_accelerator.CPU_Accelerator.is_fp16_supported = lambda self: True
+
+
+if os.environ.get("MDS_FP16_ON_CPU") == "1":
+    _after_import("deepspeed.accelerator.cpu_accelerator", _fp16_on_cpu, "fp16_on_cpu")
+
 if os.environ.get("MDS_CHIMERA") == "1":
     import ds_chimera  # noqa: F401  (only an import hook until deepspeed is imported)
