@@ -76,7 +76,7 @@ def test_fp16_syncs_the_scaled_fp16_gradients_and_clips_the_unscaled_fp32_master
     before = [m.clone() for m in opt.param_groups[0]["params"]]
     opt.step()                                                  # skipped: the masters do not move
     assert all(torch.equal(a, b) for a, b in zip(before, opt.param_groups[0]["params"]))
-    assert opt.loss_scale.skipped == 1 and opt.scale == 8.0    # a static scale stays
+    assert opt.loss_scale.skipped == 1 and opt.cur_scale == 8.0    # a static scale stays
 
 
 def test_plain_gradients_are_created_for_a_sum_and_counted_as_they_are():
