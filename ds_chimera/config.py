@@ -442,3 +442,18 @@ def _batch_sizes(config: dict) -> BatchSizes:
         values[key] = value
     return BatchSizes(values["train_batch_size"], values["train_micro_batch_size_per_gpu"],
                       values["gradient_accumulation_steps"])
+
+
+def check_tensor_parallel(schedule, tensor_size: int, zero: int) -> None:
+    """Tensor (slice) parallelism: every synchronous schedule with ZeRO stage 0 or 1; the rest refused here (and
+    left out by the planner, which asks the same)."""
+    if tensor_size == 1:
+        return
+    name = schedule.name
+    if not schedule.synchronous:
+        from .schedules.registry import synchronous_names
+        raise ValueError(f"schedule {name!r} with tensor-parallel size {tensor_size}: the asynchronous schedules run "
+                         f"with tensor-parallel size 1; use a synchronous schedule: {synchronous_names()}")
+    if zero >= 2:
+        raise ValueError(f"ZeRO stage {zero} with tensor-parallel size {tensor_size}: the pipeline schedules shard a "
+                         f"chunk over data parallelism only; use ZeRO stage 0 or 1 (as Megatron-DeepSpeed runs 3D)")

@@ -131,6 +131,34 @@ def test_asynchronous_schedules_only_when_allowed():
     assert any(c.schedule == "pipeoptim" and c.step_s is not None for c in opened.candidates)
 
 
+def test_tensor_parallelism_leaves_out_what_its_runtime_refuses():
+    """T > 1: the asynchronous schedules are left out even when allowed (with the runtime's own message), and
+    the synchronous ones are priced on the profile, which is one tensor rank's."""
+    profile = random_profile(random.Random(5), 8)
+    result = plan(profile, Setting(stages=4, micro_batches=8, allow_asynchronous=True, tensor_parallel=2),
+                  exhaustive=True)
+    asynchronous = [c for c in result.candidates if c.schedule in ("pipedream", "pipeoptim", "spectrain")]
+    assert asynchronous and all("with tensor-parallel size 2: the asynchronous schedules run with tensor-parallel "
+                                "size 1" in c.excluded for c in asynchronous)
+    assert result.chosen is not None and result.chosen.step_s is not None
+    assert " T=2 " in result.report()
+    untensored = plan(profile, Setting(stages=4, micro_batches=8), exhaustive=True)
+    assert result.chosen.label == untensored.chosen.label        # the same profile prices the same
+
+
+def test_a_collective_layer_is_timed_the_same_number_of_times_on_every_member():
+    """stable_median's ``agree``: a member stops when the group's rank 0 decides (its collectives must pair)."""
+    from ds_chimera.planner.profile import stable_median
+    calls = []
+    decisions = iter([False, False, False, False, True])      # "rank 0" decides at the fifth sample
+
+    def agree(done):
+        calls.append(done)
+        return next(decisions)
+    value = stable_median(lambda: 1.0, min_reps=1, agree=agree)   # alone, it would stop at the first sample
+    assert value == 1.0 and len(calls) == 5 and calls[0] is True
+
+
 def test_nothing_fits_names_the_budget_and_what_to_change():
     profile = random_profile(random.Random(6), 8)
     result = plan(profile, Setting(stages=4, micro_batches=8), Budget(memory_bytes=1000))

@@ -28,7 +28,7 @@ TOL = 1e-6
 
 
 UNCLIPPED = SCHEDULES if FULL else ["1f1b", "zbv", "chimera"]     # the worker's tiers
-ZERO1 = ["1f1b", "zbv", "interleaved"] if FULL else ["zbv"]
+ZERO1 = ["1f1b", "zbv", "interleaved", "chimera"] if FULL else ["zbv", "chimera"]
 FP16 = ["1f1b", "zbv", "chimera"] if FULL else ["chimera"]
 
 
@@ -141,16 +141,34 @@ def test_fp16_overflow_on_one_tensor_rank_skips_the_step_everywhere(runs, schedu
                   [ref["weights"][k] for k in sorted(ref["weights"])])
 
 
-def _plan(name: str, **options):
+@pytest.mark.parametrize("case", ["auto", "auto-fed-by-tensor-rank0"])
+def test_schedule_auto_plans_with_the_tensor_group_and_trains_equal_to_one_process(runs, case):
+    """"auto" with T = 2: rank 0's tensor group times its shards together (a row-parallel layer all-reduces), every
+    rank runs the same plan, and the training equals one process with the clip active. Planned at initialize
+    (training_data) and at the first call with data on tensor rank 0 only (the batch_fn broadcasting it)."""
+    ours, ref = runs[f"{case}/biased-{CLIP}"], runs["reference"][f"biased-{CLIP}"]
+    plans = ours["plans"]
+    assert plans[0] is not None and all(p == plans[0] for p in plans), plans
+    assert plans[0]["schedule"] in SCHEDULES and plans[0]["parts"][-1] == 8
+    assert _weights_diff(ours["weights"], ref["weights"]) <= TOL
+    assert _diff(ours["losses"], ref["losses"]) <= TOL
+    assert _diff(ours["norms"], ref["norms"]) <= TOL * max(ref["norms"])
+    if case == "auto":
+        # each layer priced at one tensor rank's parameters: up 8x8 + 8 and down 8x8 sliced, down's bias (8) whole;
+        # the whole block has 16x8 + 16 + 8x16 + 8 = 280
+        assert runs["auto-profile-params"] == [144] * 8
+
+
+def _schedule(name: str, **options):
     from ds_chimera.schedules import build
-    return types.SimpleNamespace(schedule=build(name, 2, 4, **options))
+    return build(name, 2, 4, **options)
 
 
 def test_what_tensor_parallelism_refuses_names_what_runs():
-    from ds_chimera.runtime.setup import _check_tensor_parallel
-    _check_tensor_parallel(_plan("zbv"), 2, 1)          # ZeRO-1 runs
-    _check_tensor_parallel(_plan("pipedream"), 1, 0)     # tensor size 1: nothing to refuse
+    from ds_chimera.config import check_tensor_parallel
+    check_tensor_parallel(_schedule("zbv"), 2, 1)          # ZeRO-1 runs
+    check_tensor_parallel(_schedule("pipedream"), 1, 0)     # tensor size 1: nothing to refuse
     with pytest.raises(ValueError, match=r"schedule 'pipedream' with tensor-parallel size 2.*synchronous schedule.*1f1b"):
-        _check_tensor_parallel(_plan("pipedream"), 2, 0)
+        check_tensor_parallel(_schedule("pipedream"), 2, 0)
     with pytest.raises(ValueError, match="ZeRO stage 2 with tensor-parallel size 2.*use ZeRO stage 0 or 1"):
-        _check_tensor_parallel(_plan("1f1b"), 2, 2)
+        check_tensor_parallel(_schedule("1f1b"), 2, 2)

@@ -6,7 +6,8 @@ When: at ``initialize``, before any layer is rebuilt, on the first micro-batch o
 passes no ``training_data`` names a ``profile_file`` written by an earlier run, or is told how.
 
 Where: global rank 0 (a first stage's device) times the layers, one built at a time, on that
-micro-batch; every rank then measures the links with its neighbours; rank 0 plans and sends the
+micro-batch (with its tensor group, on a tensor-parallel topology: each tensor rank times its shard, and the
+profile is rank 0's, per tensor rank); every rank then measures the links with its neighbours; rank 0 plans and sends the
 chosen ``"pipeline"`` section to every rank, so all build the same schedule, options and cut.
 The result is exactly what naming that section by hand runs (``plan_file`` writes it).
 """
@@ -50,12 +51,8 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
         decision = {"pipeline": reused, "step_s": None, "peak_bytes": None, "plan_file": str(options["plan_file"])}
         return _reused_plan(pipeline, reused, options["plan_file"], module, decision)
     grid = module._grid
-    if grid.get_slice_parallel_world_size() > 1:
-        from ..schedules.registry import synchronous_names
-        raise ValueError(f'"schedule": "auto" with tensor-parallel size {grid.get_slice_parallel_world_size()}: the '
-                         f"planner times the layers on one rank, and a tensor-parallel layer needs its whole tensor "
-                         f"group to run; name a schedule ({synchronous_names()}), or a plan_file an earlier run wrote")
     stages, dp = grid.pipe_parallel_size, grid.data_parallel_size
+    profilers = profiling_ranks(grid)
     device = torch.device(get_accelerator().device_name(module.local_rank))
     micro_batches = pipeline.batch.micro_batches(dp)
     profile_file = options.get("profile_file")
@@ -74,15 +71,19 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
                          "plan_file an earlier run wrote, or name a schedule")
     if profile is None:
         def profiled():
-            log.info("schedule auto: profiling %d layers on %s", len(module._layer_specs), device)
+            if rank == 0:
+                log.info("schedule auto: profiling %d layers on %s%s", len(module._layer_specs), device,
+                         f" with tensor ranks {profilers}" if len(profilers) > 1 else "")
             return profile_module(module, training_data, collate_fn, pipeline, dp, device,
-                                  _optimizer_state_bytes(config, optimizer), micro_batch).to_json()
-        profile = Profile.from_json(_on_rank0_for_all(profiled, "profiling the layers", dist))
-    # the first data-parallel copy's first two stages, the same two ranks on every rank: the pair's group is
-    # created by every rank with the same members (each copy naming its own pair made groups whose members
-    # differed between ranks under one name: a rendezvous that could pair the wrong ranks and hang)
-    first = grid.stage_to_global(stage_id=0, data=0)
-    second = grid.stage_to_global(stage_id=min(1, stages - 1), data=0)
+                                  _optimizer_state_bytes(config, optimizer), micro_batch,
+                                  agree=_agree_in_tensor_group(grid, device) if len(profilers) > 1 else None
+                                  ).to_json()
+        profile = Profile.from_json(_on_rank0_for_all(profiled, "profiling the layers", dist, also=profilers))
+    # the first data-parallel copy's (and tensor rank's) first two stages, the same two ranks on every rank: the
+    # pair's group is created by every rank with the same members (each copy naming its own pair made groups
+    # whose members differed between ranks under one name: a rendezvous that could pair the wrong ranks and hang)
+    first = grid.stage_to_global(stage_id=0, **_first_copy(grid))
+    second = grid.stage_to_global(stage_id=min(1, stages - 1), **_first_copy(grid))
     big = max(max(layer.output_bytes for layer in profile.layers), 1 << 20)
     grads = max(sum(layer.param_bytes for layer in profile.layers) // max(1, stages), 1 << 20)
     stage_fwd = sum(layer.fwd for layer in profile.layers) / max(1, stages)
@@ -95,6 +96,7 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
     if rank == 0 and profile_file and not os.path.exists(profile_file):
         profile.save(profile_file)
     setting = Setting(stages=stages, micro_batches=micro_batches, data_parallel=dp, precision=pipeline.precision,
+                      tensor_parallel=grid.get_slice_parallel_world_size(),
                       zero=pipeline.zero_stage, checkpoint_interval=pipeline.checkpoint_interval(module.activation_checkpoint_interval),
                       allow_asynchronous=bool(options.get("allow_asynchronous")))
     budget = Budget(memory_bytes=_memory_budget(options, device, dist), max_activations=options.get("max_activations"))
@@ -113,10 +115,16 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
     return pipeline.with_plan(decided["pipeline"], decided)      # with its predicted step and peak memory
 
 
-def _on_rank0_for_all(work, what: str, dist):
+def _on_rank0_for_all(work, what: str, dist, also=(0,)):
     """``work()`` on rank 0, its result sent to every rank; its failure (or an ``{"error": ...}`` result) is
-    raised on every rank, not only on rank 0 while the others wait for the result."""
-    out = [None]
+    raised on every rank, not only on rank 0 while the others wait for the result. ``also``: the ranks that run
+    ``work()`` with rank 0 (its tensor group, when the work runs tensor-parallel layers); rank 0's result counts."""
+    out, mine = [None], None
+    if dist.get_rank() != 0 and dist.get_rank() in also:
+        try:
+            work()
+        except Exception as exc:        # noqa: BLE001  (raised below, unless rank 0 reports a failure for all)
+            mine = exc
     if dist.get_rank() == 0:
         try:
             out[0] = work()
@@ -127,10 +135,42 @@ def _on_rank0_for_all(work, what: str, dist):
     dist.broadcast_object_list(shared, src=0)
     if isinstance(shared[0], dict) and "error" in shared[0]:
         raise ValueError(shared[0]["error"]) from (out[0] or {}).get("raised")
+    if mine is not None:
+        raise ValueError(f'"schedule": "auto" failed on rank {dist.get_rank()} while {what}: '
+                         f"{type(mine).__name__}: {mine}") from mine
     return shared[0]
 
 
 ON_RANK0 = ("the micro-batch", "rank 0 profiles")   # resolve(micro_batch=) on ranks other than 0, deferred planning
+
+
+def _first_copy(grid) -> dict:
+    """The grid coordinates of data-parallel copy 0 (and tensor rank 0, on a tensor-parallel topology)."""
+    sliced = "model" in grid.topology().get_axis_names()
+    return {"data": 0, **({"model": 0} if sliced else {})}
+
+
+def profiling_ranks(grid) -> list:
+    """The global ranks that profile the layers: rank 0, with its tensor group where the layers are
+    tensor-parallel (each such layer runs on all its tensor ranks at once, as in training)."""
+    if grid.get_slice_parallel_world_size() == 1:
+        return [0]
+    coords = {"data": 0}
+    return sorted(grid.stage_to_global(stage_id=0, **coords, model=t)
+                  for t in range(grid.get_slice_parallel_world_size()))
+
+
+def _agree_in_tensor_group(grid, device):
+    """``agree`` for :func:`~.profile.stable_median`: the tensor group stops timing a layer when its rank 0 does."""
+    import torch.distributed as dist
+    group = grid.get_slice_parallel_group()
+    src = dist.get_global_rank(group, 0)
+
+    def agree(done: bool) -> bool:
+        flag = torch.tensor([1.0 if done else 0.0], device=device)
+        dist.broadcast(flag, src=src, group=group)
+        return bool(flag.item())
+    return agree
 
 
 PLAN_FIX = "delete it to plan again (the run writes a new one), or name the plan_file of this model and layout"
@@ -185,7 +225,7 @@ def _reused_plan(pipeline, section: dict, path, module, decision: dict | None = 
 
 
 def profile_module(module, training_data, collate_fn, pipeline, dp: int, device, optimizer_bytes: int,
-                   micro_batch=None) -> Profile:
+                   micro_batch=None, agree=None) -> Profile:
     """Time every layer of ``module`` on ``micro_batch`` (inputs, labels), else the first micro-batch of
     ``training_data``.
 
@@ -203,7 +243,8 @@ def profile_module(module, training_data, collate_fn, pipeline, dp: int, device,
         else:
             def loss(out):
                 return out if out.dim() == 0 else out.float().mean()
-        layers = profile_layers(layer_factories(module, device), inputs, device, loss)
+        layers = profile_layers(layer_factories(module, device), inputs, device, loss,
+                                **({"agree": agree} if agree is not None else {}))
     return Profile(tuple(layers), micro_batch_size=_micro_batch_size(pipeline, dp), device=str(device),
                    optimizer_state_bytes_per_param=optimizer_bytes)
 

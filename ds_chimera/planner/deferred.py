@@ -6,7 +6,8 @@ the first call. So ``initialize`` returns an engine built under a provisional pl
 module's own cut: what the stock engine runs, so a stock checkpoint loaded before that call fits it),
 and the first ``train_batch`` or ``eval_batch``:
 
-1. takes its first micro-batch on rank 0, after the engine's ``batch_fn``, and keeps it for the call;
+1. takes its first micro-batch on rank 0 (and its tensor group), after the engine's ``batch_fn``, and keeps it
+   for the call;
 2. profiles and plans exactly as ``initialize`` does with ``training_data`` (a failure on rank 0 is
    raised on every rank);
 3. builds the engine of the chosen plan on the same module, as ``initialize`` would have, and moves it
@@ -56,15 +57,19 @@ class DeferredPlan:
         """Steps 1-3 above, on every rank; afterwards ``engine`` is the planned engine."""
         import torch.distributed as dist
 
-        from .deepspeed import ON_RANK0, _on_rank0_for_all, resolve
+        from .deepspeed import ON_RANK0, _on_rank0_for_all, profiling_ranks, resolve
         iterator = data_iter if data_iter is not None else getattr(engine, "_given_iterator", None)
         first = [None]
+        # rank 0's tensor group profiles with it; its ranks other than 0 may have no data of their own, their
+        # batch_fn receiving rank 0's (Megatron-DeepSpeed's get_batch_pipe), as the stock engine allows
+        profilers = profiling_ranks(engine.grid)
+        fed_by_tensor_rank0 = engine.batch_fn is not None and len(profilers) > 1
 
         def take_first():
-            if iterator is None:
+            if iterator is None and not (fed_by_tensor_rank0 and dist.get_rank() != 0):
                 raise ValueError("the first train_batch/eval_batch has no data: pass data_iter, or call "
                                  "set_dataiterator/set_dataloader first")
-            batch = next(iterator)
+            batch = next(iterator) if iterator is not None else None
             if engine.batch_fn is not None:
                 batch = engine.batch_fn(batch)
             if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
@@ -72,8 +77,8 @@ class DeferredPlan:
                                  f"{type(batch).__name__}")
             first[0] = batch
             return {"ok": True}
-        _on_rank0_for_all(take_first, "taking the first micro-batch to profile", dist)
-        micro_batch = first[0] if dist.get_rank() == 0 else ON_RANK0
+        _on_rank0_for_all(take_first, "taking the first micro-batch to profile", dist, also=profilers)
+        micro_batch = first[0] if dist.get_rank() in profilers else ON_RANK0
         if dist.get_rank() == 0:
             log.info("schedule auto: planning at the first call, on its first micro-batch")
         pipeline = resolve(engine.module, self.pipeline, self.config, optimizer=self.optimizer,

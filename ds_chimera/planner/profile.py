@@ -128,20 +128,28 @@ class _Clock:
 
 
 def stable_median(measure, min_reps: int = 3, max_reps: int = 25, rel_spread: float = 0.05,
-                  budget_s: float = 2.0) -> float:
+                  budget_s: float = 2.0, agree=None) -> float:
     """The median of ``measure()`` once the middle half of the samples lies within ``rel_spread`` of it,
-    or after ``max_reps`` samples or ``budget_s`` seconds (a slow layer is measured fewer times)."""
+    or after ``max_reps`` samples or ``budget_s`` seconds (a slow layer is measured fewer times).
+
+    ``agree(done) -> done``: where ``measure`` is a collective (a tensor-parallel layer, timed by its whole
+    tensor group), every member must stop at the same sample: ``agree`` turns this rank's decision into the
+    group's."""
     samples, begin = [], time.perf_counter()
     while True:
         samples.append(measure())
+        done, median = False, None
         if len(samples) >= min_reps:
             ordered = sorted(samples)
             median = statistics.median(ordered)
             quarter = len(ordered) // 4
             spread = ordered[-1 - quarter] - ordered[quarter]
-            if median <= 0 or spread <= rel_spread * median or len(samples) >= max_reps or \
-                    time.perf_counter() - begin > budget_s:
-                return median
+            done = median <= 0 or spread <= rel_spread * median or len(samples) >= max_reps or \
+                time.perf_counter() - begin > budget_s
+        if agree is not None:
+            done = agree(done)
+        if done:
+            return median if median is not None else statistics.median(samples)
 
 
 # ---- one layer ---------------------------------------------------------------------------------

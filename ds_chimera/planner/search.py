@@ -58,6 +58,7 @@ class Setting:
     zero: int = 0
     checkpoint_interval: int = 0
     allow_asynchronous: bool = False
+    tensor_parallel: int = 1      # T: the profile is one tensor rank's (its shards, its messages), as each runs
 
 
 @dataclass
@@ -106,7 +107,8 @@ class PlanResult:
 
     def report(self, runners_up: int = 8) -> str:
         s = self.setting
-        lines = [f"planned D={s.stages} N={s.micro_batches} dp={s.data_parallel} {s.precision} ZeRO-{s.zero}, "
+        tensor = f" T={s.tensor_parallel}" if s.tensor_parallel > 1 else ""
+        lines = [f"planned D={s.stages} N={s.micro_batches} dp={s.data_parallel}{tensor} {s.precision} ZeRO-{s.zero}, "
                  f"budget: {self.budget.describe()}; {len(self.candidates)} candidates, {self.simulated} "
                  f"simulated, {self.seconds:.2f} s"]
         if self.chosen is None:
@@ -307,9 +309,11 @@ def plan(profile: Profile, setting: Setting, budget: Budget = Budget(), cuts=CUT
 
 
 def _check_setting(schedule, setting: Setting) -> None:
-    """The job's own limits on a schedule (ZeRO over replicas, asynchronous with ZeRO-2/3), as the runtime checks."""
-    from ..config import PipelineConfig
+    """The job's own limits on a schedule (ZeRO over replicas, asynchronous with ZeRO-2/3, what tensor parallelism
+    admits), as the runtime checks them."""
+    from ..config import PipelineConfig, check_tensor_parallel
     PipelineConfig(schedule=schedule.name, zero_stage=setting.zero).check_schedule(schedule)
+    check_tensor_parallel(schedule, setting.tensor_parallel, setting.zero)
 
 
 def _over_budget(cand: Candidate, budget: Budget) -> str | None:

@@ -8,7 +8,7 @@ import functools
 from torch import nn
 
 from ..logs import get_logger
-from ..config import PipelineConfig
+from ..config import PipelineConfig, check_tensor_parallel
 from .handoff import PreparedPipeline
 from .param_groups import distinct_options, remap_groups, stock_parameter_keys
 from .plan import make_plan
@@ -54,7 +54,7 @@ def prepare_module(module, config: PipelineConfig, stock_keys: dict | None = Non
     plan = make_plan(config, num_stages, dp, len(module._layer_specs), parts_fn)
     plan = dataclasses.replace(plan, stock_optimizer_order=stock_optimizer_order)
     zero = config.zero_stage
-    _check_tensor_parallel(plan, grid.get_slice_parallel_world_size(), zero)
+    check_tensor_parallel(plan.schedule, grid.get_slice_parallel_world_size(), zero)
     if config.fp16 and zero == 1:
         _check_fp16_zero1_device()
     if zero >= 2:
@@ -134,20 +134,6 @@ def _refuse_ties_under_sharding(module, zero: int) -> None:
     if tied:
         raise ValueError(f"ZeRO stage {zero} with weights tied across layers ({', '.join(tied)}) is not supported: "
                          f"a tied weight would belong to two chunks' shards; untie them or use ZeRO stage 0/1")
-
-
-def _check_tensor_parallel(plan, tensor_size: int, zero: int) -> None:
-    """Tensor (slice) parallelism: every synchronous schedule with ZeRO stage 0 or 1; the rest refused here."""
-    if tensor_size == 1:
-        return
-    name = plan.schedule.name
-    if not plan.schedule.synchronous:
-        from ..schedules.registry import synchronous_names
-        raise ValueError(f"schedule {name!r} with tensor-parallel size {tensor_size}: the asynchronous schedules run "
-                         f"with tensor-parallel size 1; use a synchronous schedule: {synchronous_names()}")
-    if zero >= 2:
-        raise ValueError(f"ZeRO stage {zero} with tensor-parallel size {tensor_size}: the pipeline schedules shard a "
-                         f"chunk over data parallelism only; use ZeRO stage 0 or 1 (as Megatron-DeepSpeed runs 3D)")
 
 
 def _check_fp16_zero1_device() -> None:

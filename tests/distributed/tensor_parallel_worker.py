@@ -39,8 +39,8 @@ SYNCHRONOUS = {"gpipe": {}, "1f1b": {}, "interleaved": {"chunks": 2}, "breadth-f
 
 # CI's cases: every schedule clipped (the sliced model against stock, the biased one against one process); the
 # unclipped stock comparison, ZeRO-1 and fp16 on some schedules. make test-full: all of them on every schedule.
-CI_TIER = {"unclipped": ("1f1b", "zbv", "chimera"), "zero1": ("zbv",), "fp16": (("chimera", 3),)}
-FULL_TIER = {"unclipped": tuple(SYNCHRONOUS), "zero1": ("1f1b", "zbv", "interleaved"),   # ZeRO-1 refuses Chimera
+CI_TIER = {"unclipped": ("1f1b", "zbv", "chimera"), "zero1": ("zbv", "chimera"), "fp16": (("chimera", 3),)}
+FULL_TIER = {"unclipped": tuple(SYNCHRONOUS), "zero1": ("1f1b", "zbv", "interleaved", "chimera"),
              "fp16": (("1f1b", 1), ("zbv", 2), ("chimera", 3))}                           # a different rank each
 
 
@@ -80,7 +80,8 @@ def reference(biased: bool, clip: float, dp: int) -> dict:
             "weights": {str(i): [p.detach().tolist() for p in layer.parameters()] for i, layer in enumerate(layers)}}
 
 
-def build_engine(topology, tensor_group, schedule, options: dict, biased: bool, clip: float, zero: int = 0):
+def build_engine(topology, tensor_group, schedule, options: dict, biased: bool, clip: float, zero: int = 0,
+                 training_data=None):
     cfg = {"train_batch_size": N * MICRO * topology.get_dim("data"), "train_micro_batch_size_per_gpu": MICRO,
            "gradient_clipping": clip, "steps_per_print": 1000}
     if zero:
@@ -89,7 +90,7 @@ def build_engine(topology, tensor_group, schedule, options: dict, biased: bool, 
         cfg["pipeline"] = {"schedule": schedule, "timeout": 60, **options}
     net = PipelineModule(layers=specs(tensor_group, biased), topology=topology, loss_fn=nn.MSELoss(),
                          partition_method="uniform")
-    return deepspeed.initialize(model=net, config=cfg,
+    return deepspeed.initialize(model=net, config=cfg, training_data=training_data,
                                 optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9))[0]
 
 
@@ -158,9 +159,10 @@ def broadcast_from_tensor_rank0(tensor_group):
     return batch_fn
 
 
-def train(topology, tensor_group, schedule, options, biased, clip, zero=0, feed_tensor_rank0=False) -> dict:
+def train(topology, tensor_group, schedule, options, biased, clip, zero=0, feed_tensor_rank0=False,
+          training_data=None) -> dict:
     """``feed_tensor_rank0``: only tensor rank 0 gets a data iterator; a batch_fn broadcasts each batch."""
-    engine = build_engine(topology, tensor_group, schedule, options, biased, clip, zero)
+    engine = build_engine(topology, tensor_group, schedule, options, biased, clip, zero, training_data)
     if feed_tensor_rank0:
         engine.set_batch_fn(broadcast_from_tensor_rank0(tensor_group))
     dp, d = topology.get_dim("data"), engine.grid.get_data_parallel_id()
@@ -172,8 +174,10 @@ def train(topology, tensor_group, schedule, options, biased, clip, zero=0, feed_
         norms.append(None if norm is None else float(norm))
     agree = torch.tensor([1.0 if replicas_agree(engine) else 0.0])
     tdist.all_reduce(agree, op=tdist.ReduceOp.MIN)
+    decisions = [None] * tdist.get_world_size()          # "auto": the plan every rank runs
+    tdist.all_gather_object(decisions, (getattr(engine, "auto_decision", None) or {}).get("pipeline"))
     return {"losses": losses, "norms": norms, "weights": whole_weights(engine, tensor_group),
-            "replicas_agree": bool(agree.item())}
+            "replicas_agree": bool(agree.item()), "plans": decisions}
 
 
 def resume(topology, tensor_group, schedule: str, directory: str) -> dict:
@@ -288,6 +292,21 @@ def main():
         results[f"{schedule}-fed-by-tensor-rank0/sliced-0.0"] = train(
             topology, tensor_group, None if schedule == "stock" else schedule, SYNCHRONOUS.get(schedule, {}), False,
             0.0, feed_tensor_rank0=True)
+    # "schedule": "auto" with T = 2: rank 0's tensor group profiles (each tensor rank its shards); planned at
+    # initialize on training_data's first micro-batch, and at the first call with data on tensor rank 0 only
+    # (Megatron-DeepSpeed's way: the batch_fn broadcasts it)
+    first = batches(0, args.dp)[:N]
+    data = torch.utils.data.TensorDataset(torch.cat([x for x, _ in first]), torch.cat([y for _, y in first]))
+    profile_box = [os.path.join(tempfile.mkdtemp(prefix="ds_chimera_tp_profile_"), "profile.json")
+                   if tdist.get_rank() == 0 else None]
+    tdist.broadcast_object_list(profile_box, 0)
+    results[f"auto/biased-{CLIP}"] = train(topology, tensor_group, "auto", {"profile_file": profile_box[0]}, True,
+                                           CLIP, training_data=data)
+    if tdist.get_rank() == 0:      # what the planner priced: one tensor rank's parameters per layer
+        with open(profile_box[0]) as fh:
+            results["auto-profile-params"] = [layer["params"] for layer in json.load(fh)["layers"]]
+    results[f"auto-fed-by-tensor-rank0/biased-{CLIP}"] = train(topology, tensor_group, "auto", {}, True, CLIP,
+                                                              feed_tensor_rank0=True)
     results["reference"]["fp16"] = reference_fp16(args.dp)
     for schedule, poisoned in tier["fp16"]:
         results[f"fp16-{schedule}"] = train_fp16(topology, tensor_group, schedule, poisoned)
