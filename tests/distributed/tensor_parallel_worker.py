@@ -39,9 +39,11 @@ SYNCHRONOUS = {"gpipe": {}, "1f1b": {}, "interleaved": {"chunks": 2}, "breadth-f
 
 # CI's cases: every schedule clipped (the sliced model against stock, the biased one against one process); the
 # unclipped stock comparison, ZeRO-1 and fp16 on some schedules. make test-full: all of them on every schedule.
-CI_TIER = {"unclipped": ("1f1b", "zbv", "chimera"), "zero1": ("zbv", "chimera"), "fp16": (("chimera", 3),)}
+CI_TIER = {"unclipped": ("1f1b", "zbv", "chimera"), "zero1": ("zbv", "chimera"), "fp16": (("chimera", 3),),
+           "bf16": ("chimera",)}
 FULL_TIER = {"unclipped": tuple(SYNCHRONOUS), "zero1": ("1f1b", "zbv", "interleaved", "chimera"),
-             "fp16": (("1f1b", 1), ("zbv", 2), ("chimera", 3))}                           # a different rank each
+             "fp16": (("1f1b", 1), ("zbv", 2), ("chimera", 3)),                          # a different rank each
+             "bf16": ("1f1b", "zbv", "chimera")}
 
 
 def batches(step: int, dp: int) -> list:
@@ -81,9 +83,11 @@ def reference(biased: bool, clip: float, dp: int) -> dict:
 
 
 def build_engine(topology, tensor_group, schedule, options: dict, biased: bool, clip: float, zero: int = 0,
-                 training_data=None):
+                 training_data=None, bf16: bool = False):
     cfg = {"train_batch_size": N * MICRO * topology.get_dim("data"), "train_micro_batch_size_per_gpu": MICRO,
            "gradient_clipping": clip, "steps_per_print": 1000}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
     if zero:
         cfg.update(zero_optimization={"stage": zero}, zero_allow_untested_optimizer=True)
     if schedule is not None:
@@ -160,15 +164,19 @@ def broadcast_from_tensor_rank0(tensor_group):
 
 
 def train(topology, tensor_group, schedule, options, biased, clip, zero=0, feed_tensor_rank0=False,
-          training_data=None) -> dict:
-    """``feed_tensor_rank0``: only tensor rank 0 gets a data iterator; a batch_fn broadcasts each batch."""
-    engine = build_engine(topology, tensor_group, schedule, options, biased, clip, zero, training_data)
+          training_data=None, bf16=False) -> dict:
+    """``feed_tensor_rank0``: only tensor rank 0 gets a data iterator; a batch_fn broadcasts each batch.
+    ``bf16``: DeepSpeed's BF16_Optimizer (bf16 weights, fp32 masters and gradients), bf16 batches."""
+    engine = build_engine(topology, tensor_group, schedule, options, biased, clip, zero, training_data, bf16)
     if feed_tensor_rank0:
         engine.set_batch_fn(broadcast_from_tensor_rank0(tensor_group))
     dp, d = topology.get_dim("data"), engine.grid.get_data_parallel_id()
     losses, norms = [], []
     for step in range(STEPS):
-        data = iter(batches(step, dp)[d * N:(d + 1) * N]) if tensor_group.rank == 0 or not feed_tensor_rank0 else None
+        mine = batches(step, dp)[d * N:(d + 1) * N]
+        if bf16:
+            mine = [(x.bfloat16(), y.bfloat16()) for x, y in mine]
+        data = iter(mine) if tensor_group.rank == 0 or not feed_tensor_rank0 else None
         losses.append(float(engine.train_batch(data)))
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
@@ -307,6 +315,10 @@ def main():
             results["auto-profile-params"] = [layer["params"] for layer in json.load(fh)["layers"]]
     results[f"auto-fed-by-tensor-rank0/biased-{CLIP}"] = train(topology, tensor_group, "auto", {}, True, CLIP,
                                                               feed_tensor_rank0=True)
+    # bf16 with T = 2 against the stock engine's bf16 on the same topology (the sliced model: its norm is the true one)
+    for schedule in [None, *tier["bf16"]]:
+        results[f"bf16-{schedule or 'stock'}/sliced-{CLIP}"] = train(
+            topology, tensor_group, schedule, SYNCHRONOUS.get(schedule, {}), False, CLIP, bf16=True)
     results["reference"]["fp16"] = reference_fp16(args.dp)
     for schedule, poisoned in tier["fp16"]:
         results[f"fp16-{schedule}"] = train_fp16(topology, tensor_group, schedule, poisoned)
