@@ -377,3 +377,12 @@ def test_under_activation_checkpointing_only_schedules_whose_orders_split_the_ba
     excluded = {c.schedule for c in result.candidates if c.excluded and split_reason in c.excluded}
     assert {"zbv", "zb-h1"} <= excluded and "dualpipev" not in excluded
     assert any(c.schedule == "dualpipev" for c in result.candidates)     # priced (or bounded) like the others
+
+
+def test_fp16_model_states_count_the_fp32_masters():
+    """fp16 costs what bf16 does per parameter: 16-bit weight and gradient, fp32 master and its gradient, the
+    optimizer's state (Adam: 8), the master and state shared over data parallelism under ZeRO-1."""
+    assert state_bytes_per_param("fp16", 0, 1, 8) == state_bytes_per_param("bf16", 0, 1, 8) == 2 + 6 + 12
+    assert state_bytes_per_param("fp16", 1, 4, 8) == 2 + 6 + 12 / 4
+    assert state_bytes_per_param("fp32", 0, 1, 8) == 16
+

@@ -4,7 +4,9 @@ the schedule's peak, the gathered weights of ZeRO-3, and the communication buffe
 Model states per parameter (bytes), as DeepSpeed's optimizers keep them:
 
 - fp32: weight 4, gradient 4, optimizer state ``k`` (Adam's two moments: 8; SGD with momentum: 4);
-- bf16: weight 2, gradient 2, fp32 master 4, fp32 gradient accumulator 4, optimizer state ``k``.
+- bf16: weight 2, gradient 2, fp32 master 4, fp32 gradient accumulator 4, optimizer state ``k``;
+- fp16: weight 2, gradient 2, fp32 master 4, the master's fp32 gradient 4 (the unscaled copy the step and the
+  clip read), optimizer state ``k``.
 
 ZeRO divides what it shards by the data-parallel size: stage 1 the master weights and optimizer
 state, stage 2 the gradients too, stage 3 the weights too (and then holds gathered chunks).
@@ -39,7 +41,7 @@ class RankMemory:
 def state_bytes_per_param(precision: str, zero: int, data_parallel: int, optimizer_bytes: int) -> float:
     """Bytes of model states one parameter costs a rank (see the module docstring)."""
     dp = max(1, data_parallel)
-    if precision == "bf16":
+    if precision in ("bf16", "fp16"):
         weight, grad, master = 2.0, 2.0 + 4.0, 4.0 + optimizer_bytes
     else:
         weight, grad, master = 4.0, 4.0, float(optimizer_bytes)
