@@ -13,7 +13,7 @@ runtime's per-message host time, and the time of a gradient sync over the progra
 groups to its last member and the host time of its post, each measured apart from the
 steps, just before and just after each N's rows; the mean of the two is used). In the same
 invocation it runs DeepSpeed's stock TrainSchedule (1F1B) and DualPipeV engines,
-torch.distributed.pipelining's GPipe, 1F1B, LoopedBFS, Interleaved1F1B, ZBV and DualPipeV
+torch.distributed.pipelining's GPipe, 1F1B, LoopedBFS, Interleaved1F1B, InterleavedZeroBubble, ZBV and DualPipeV
 schedules on the same layers, and a few schedules through ds_chimera's Megatron-Core
 contract (``ds_chimera.megatron``).
 For each N every row is built first, then the rows take turns, one step each per round, so
@@ -41,7 +41,7 @@ MEGATRON = [("1f1b", {}), ("interleaved", {"chunks": 2}), ("chimera", {"order": 
             ("chimera", {"order": "zero-bubble"}), ("zb-h1", {}), ("zbv", {})]
 PEERS = [("deepspeed", "TrainSchedule (1F1B)"), ("deepspeed", "DualPipeV"),
          ("torch", "GPipe"), ("torch", "1F1B"), ("torch", "LoopedBFS"), ("torch", "Interleaved1F1B"),
-         ("torch", "ZBVZeroBubble"), ("torch", "DualPipeV")]
+         ("torch", "InterleavedZeroBubble"), ("torch", "ZBVZeroBubble"), ("torch", "DualPipeV")]
 
 
 def wanted(args, text: str) -> bool:
@@ -117,7 +117,7 @@ def worker(args):
             entries.append(("ds_chimera.megatron", label(name, options), step, program))
         for runtime, name in PEERS:
             if not wanted(args, name) or ("DualPipeV" in name and n < 2 * world) or \
-                    (name == "Interleaved1F1B" and n % world):
+                    (name in ("Interleaved1F1B", "InterleavedZeroBubble") and n % world):
                 continue
             try:
                 if runtime == "deepspeed":
@@ -272,7 +272,7 @@ def torch_pipelining_step(name, n, specs, world, rank, data):
     from torch import nn
     from torch.distributed import pipelining as pp
 
-    looped = name in ("LoopedBFS", "Interleaved1F1B")
+    looped = name in ("LoopedBFS", "Interleaved1F1B", "InterleavedZeroBubble")
     vshape = name in ("ZBVZeroBubble", "DualPipeV")
     num_stages = 2 * world if (looped or vshape) else world
     if looped:
@@ -289,7 +289,8 @@ def torch_pipelining_step(name, n, specs, world, rank, data):
         stages.append(pp.PipelineStage(module, s, num_stages, torch.device("cpu")))
     loss_fn = nn.MSELoss()
     cls = {"GPipe": pp.ScheduleGPipe, "1F1B": pp.Schedule1F1B, "LoopedBFS": pp.ScheduleLoopedBFS,
-           "Interleaved1F1B": pp.ScheduleInterleaved1F1B, "ZBVZeroBubble": pp.ScheduleZBVZeroBubble,
+           "Interleaved1F1B": pp.ScheduleInterleaved1F1B, "InterleavedZeroBubble": pp.ScheduleInterleavedZeroBubble,
+           "ZBVZeroBubble": pp.ScheduleZBVZeroBubble,
            "DualPipeV": pp.ScheduleDualPipeV}[name]
     schedule = cls(stages[0] if len(stages) == 1 else stages, n_microbatches=n, loss_fn=loss_fn)
     opt = torch.optim.SGD(params, lr=1e-3)
