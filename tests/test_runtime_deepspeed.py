@@ -6,6 +6,8 @@ parallel, clipped, tied, checkpointed, ZeRO-1, bf16); the others are test_runtim
 """
 import pytest
 
+from tiers import FULL
+
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "breadth-first", "chimera", "chimera-fd", "chimera-merged",
              "chimera-concat", "chimera-zb", "zb-h1", "zbv", "dualpipev"]
 # at D = 4, N = 8 Chimera's default order is zero-bubble: "chimera" there is "chimera-zb"
@@ -15,8 +17,8 @@ UNCLIPPED = EQUIV + ["program-4x1-chimera-zb", "unclipped-tied-4x1-chimera", "un
                      "unclipped-actckpt-4x1-chimera"]
 CLIPPED = ["clipped-4x1-chimera", "clipped-2x2-chimera", "clipped-4x1-interleaved", "tied-4x1-chimera",
            "tied-4x1-1f1b", "tied-2x2-zbv", "zero1-2x2-breadth-first", "zero1-2x2-zbv", "zero1-2x2-zbv-tied",
-           "zero1-2x2-breadth-first-end", "zero1-4x1-chimera", "zero1-2x2-chimera", "zero1-4x1-1f1b-tied",
-           "zero1-4x1-chimera-tied"]
+           "zero1-2x2-breadth-first-end", "zero1-4x1-chimera", "zero1-4x1-1f1b-tied"] + \
+    (["zero1-2x2-chimera", "zero1-4x1-chimera-tied"] if FULL else [])     # make test-full: the other ZeRO-1 copies
 INPLACE = ["gpipe", "1f1b", "interleaved", "chimera", "zb-h1", "zbv"]
 SCENARIOS = UNCLIPPED + CLIPPED + [
     "actckpt-4x1-chimera", "actckpt-4x1-zb-h1", "actckpt-4x1-chimera-zb", "actckpt-4x1-interleaved", "stock-clipping",
