@@ -188,9 +188,8 @@ def resolve(raw, args, world_size: int) -> PipelineSetup:
     _fill_optimizer(config, args)
     # the reconciled config is what runs: parsed once (fp16 / ZeRO, as deepspeed.initialize would refuse them)
     pipeline = PipelineConfig.from_deepspeed(config, sharding=False)
-    if pipeline.fp16 and pipeline.zero_stage == 1:
-        from ..runtime.setup import check_fp16_zero1_device
-        check_fp16_zero1_device()
+    from ..runtime.setup import check_fp16_zero1_device
+    check_fp16_zero1_device(pipeline)
     if not pipeline.planned:    # "auto": the planner only picks schedules that build, and the engine re-checks
         pipeline.build_schedule(stages, n)      # the schedule's own limits (N vs D, ZeRO-1 with replicas), now
     return PipelineSetup(config, pipeline, stages, dp, micro, n)

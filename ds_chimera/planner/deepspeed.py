@@ -155,8 +155,7 @@ def profiling_ranks(grid) -> list:
     tensor-parallel (each such layer runs on all its tensor ranks at once, as in training)."""
     if grid.get_slice_parallel_world_size() == 1:
         return [0]
-    coords = {"data": 0}
-    return sorted(grid.stage_to_global(stage_id=0, **coords, model=t)
+    return sorted(grid.stage_to_global(stage_id=0, **{**_first_copy(grid), "model": t})
                   for t in range(grid.get_slice_parallel_world_size()))
 
 
@@ -243,8 +242,7 @@ def profile_module(module, training_data, collate_fn, pipeline, dp: int, device,
         else:
             def loss(out):
                 return out if out.dim() == 0 else out.float().mean()
-        layers = profile_layers(layer_factories(module, device), inputs, device, loss,
-                                **({"agree": agree} if agree is not None else {}))
+        layers = profile_layers(layer_factories(module, device), inputs, device, loss, agree=agree)
     return Profile(tuple(layers), micro_batch_size=_micro_batch_size(pipeline, dp), device=str(device),
                    optimizer_state_bytes_per_param=optimizer_bytes)
 

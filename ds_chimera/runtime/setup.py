@@ -55,8 +55,7 @@ def prepare_module(module, config: PipelineConfig, stock_keys: dict | None = Non
     plan = dataclasses.replace(plan, stock_optimizer_order=stock_optimizer_order)
     zero = config.zero_stage
     check_tensor_parallel(plan.schedule, grid.get_slice_parallel_world_size(), zero)
-    if config.fp16 and zero == 1:
-        check_fp16_zero1_device()
+    check_fp16_zero1_device(config)
     if zero >= 2:
         _refuse_ties_under_sharding(module, zero)
     if not plan.schedule.synchronous:
@@ -136,10 +135,12 @@ def _refuse_ties_under_sharding(module, zero: int) -> None:
                          f"a tied weight would belong to two chunks' shards; untie them or use ZeRO stage 0/1")
 
 
-def check_fp16_zero1_device() -> None:
+def check_fp16_zero1_device(config: PipelineConfig) -> None:
     """fp16 with ZeRO-1 runs DeepSpeed's ZeRO-1 fp16 optimizer, which DeepSpeed's engine builds only where its
     accelerator reports fp16 (its CPU accelerator does not): refused with what runs instead, at set-up (and by the
     HF Trainer's config check, before its data is prepared)."""
+    if not (config.fp16 and config.zero_stage == 1):
+        return
     from deepspeed.accelerator import get_accelerator
     accelerator = get_accelerator()
     if not accelerator.is_fp16_supported():
