@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .. import autograd_calls
+
 PROFILE_VERSION = 1
 
 
@@ -243,7 +245,7 @@ def profile_layer(func, x, name: str, device: torch.device, loss=None, **reps) -
         out = forward()
         outs, grads = seeds(out)
         if outs:
-            clock_s = clock.time(lambda: torch.autograd.backward(outs, grads))
+            clock_s = clock.time(lambda: autograd_calls.backward(outs, grads))
             for p in params:
                 p.grad = None
             return clock_s
@@ -257,8 +259,8 @@ def profile_layer(func, x, name: str, device: torch.device, loss=None, **reps) -
         if not outs:
             return 0.0
         if inputs:
-            torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)
-        return clock.time(lambda: torch.autograd.grad(outs, params, grads, allow_unused=True))
+            autograd_calls.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)
+        return clock.time(lambda: autograd_calls.grad(outs, params, grads, allow_unused=True))
 
     wgrad = min(bwd, stable_median(weight_grad, **reps)) if params and inputs else (bwd if params else 0.0)
     cost = LayerCost(name=name, fwd=fwd, bwd=bwd, wgrad=wgrad, activation_bytes=int(saved),

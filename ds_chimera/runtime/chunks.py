@@ -70,6 +70,7 @@ class ChunkModule(nn.Module):
         rule = checkpointable or has_parameters
         self.checkpointed = [rule(funcs[i:i + checkpoint_interval])
                              for i in range(0, len(funcs), checkpoint_interval)] if checkpoint_interval else []
+        self._block_params: dict = {}          # (start, stop) -> every parameter of those layers (see _params)
 
     def _run(self, start: int, stop: int):
         def run(*inputs):
@@ -80,15 +81,21 @@ class ChunkModule(nn.Module):
         return run
 
     def _params(self, start: int, stop: int) -> list:
-        seen, out = set(), []
-        for func in self.funcs[start:stop]:
-            module = _bound_module(func)
-            if isinstance(module, nn.Module):
-                for p in module.parameters():
-                    if p.requires_grad and id(p) not in seen:
-                        seen.add(id(p))
-                        out.append(p)
-        return out
+        """The trainable parameters of layers ``start:stop``, each once. The parameter objects are walked
+        once per block and kept (the optimizer holds the same objects); ``requires_grad`` is read each time,
+        so a layer frozen later drops out."""
+        every = self._block_params.get((start, stop))
+        if every is None:
+            seen, every = set(), []
+            for func in self.funcs[start:stop]:
+                module = _bound_module(func)
+                if isinstance(module, nn.Module):
+                    for p in module.parameters():
+                        if id(p) not in seen:
+                            seen.add(id(p))
+                            every.append(p)
+            self._block_params[(start, stop)] = every
+        return [p for p in every if p.requires_grad]
 
     def forward(self, x, capture: list | None = None):
         """Run the layers. ``capture`` collects (block output, block params) for a split backward.
@@ -106,7 +113,8 @@ class ChunkModule(nn.Module):
                 args = x if isinstance(x, tuple) else (x,)
                 x = self.checkpoint_func(self._run(start, stop), *args)
             else:
-                x = self._run(start, stop)(x)
+                for func in self.funcs[start:stop]:
+                    x = func(x)
             if capture is not None:
                 params = self._params(start, stop)
                 if params:

@@ -14,14 +14,20 @@ import torch
 
 from ..schedules.actions import (ACT, BACKWARD, BACKWARD_KINDS, FORWARD, GRAD, GRADIENT_KINDS, STAGE_STEP, WEIGHT_GRAD,
                                  Action, Clip, Comm, Gather, SyncStart, Step, Release, SyncWait)
+from .. import autograd_calls
 from .context import ExecutionContext
 from .tensors import as_leaves, as_tuple, pack, versions
-from .tracing import StepTrace, profiler_range
+from .tracing import StepTrace, profiler_range, profiler_running
 
 
 current_action = None   # the action being executed on this process, for instrumentation and debugging
 MB_TAG_SPACE = 1 << 16  # messages carry global micro-batch ids modulo this (tags stay small)
-RECV_LOOKAHEAD = 2      # comm batches ahead whose receives are posted early (gloo: see p2p.P2P.prepost)
+# Receives are posted ahead of need (gloo: see p2p.P2P.prepost), as far ahead as the program goes while the
+# buffers of posted, untaken receives hold under PREPOST_BYTES, and always the next RECV_LOOKAHEAD batches:
+# a message whose receive is posted lands while the rank computes, instead of costing a round trip when it is
+# needed (docs/investigations/zero-bubble-host-time.md: zbv's host time fell 8-12% from two batches ahead)
+RECV_LOOKAHEAD = 2
+PREPOST_BYTES = 64 << 20
 CARRY_TABLES = ("inputs", "outputs", "input_grads", "deferred", "received", "blocks")
 
 
@@ -53,6 +59,7 @@ class StepExecutor:
         self.ctx = ctx
         self.records: list = []          # (rank, kind, chunk, mb, start, end) of the last traced call
         self.recv_lookahead = RECV_LOOKAHEAD
+        self.prepost_bytes = PREPOST_BYTES
 
     def run(self, ops, train: bool, scale: float, trace: bool = False, carry: dict | None = None,
             mb_base: int = 0, flush: bool = True, on_losses=None, device="cpu"):
@@ -95,7 +102,7 @@ class StepRun:
         self.recv_batches = [op for op in ops if type(op) is Comm and op.recvs]
         self.next_recv_batch = 0     # index into recv_batches of the next batch this run reaches
         self.posted_upto = 0         # recv_batches[:posted_upto] have had their receives posted early
-        self.lookahead = executor.recv_lookahead
+        self.lookahead, self.prepost_bytes = executor.recv_lookahead, executor.prepost_bytes
         self.on_losses = on_losses
         placement = self.placement
         self.losses_left = sum(1 for op in ops if type(op) is Action and op.kind == FORWARD
@@ -104,6 +111,7 @@ class StepRun:
                          SyncWait: self._sync_wait, Clip: self._clip, Step: self._step,
                          Gather: self._gather, Release: self._release}
         self.sharded = any(type(op) is Gather for op in ops)    # compute then waits for its chunk's weights
+        self.profiled = profiler_running()      # each op a profiler range (a step starts inside a profile or not)
         self._post_ahead(self.lookahead)
         if self.losses_left == 0:
             on_losses(None)
@@ -112,7 +120,10 @@ class StepRun:
         handler = self.handlers.get(type(op))
         if handler is None:
             raise RuntimeError(f"the executor has no handler for op {op!r}")
-        with profiler_range(op):
+        if self.profiled:
+            with profiler_range(op):
+                handler(op)
+        else:
             handler(op)
 
     def finish(self, flush: bool = True):
@@ -146,7 +157,7 @@ class StepRun:
             self._backward(op)
         elif kind == WEIGHT_GRAD:
             for outs, out_grads, params in self.deferred.pop((op.chunk, op.mb)):
-                torch.autograd.backward(outs, grad_tensors=out_grads, inputs=params)
+                autograd_calls.backward(outs, out_grads, inputs=params)
         elif kind == STAGE_STEP:
             self.ctx.optimizer_step((op.chunk,))
         else:
@@ -208,7 +219,7 @@ class StepRun:
         leaves = [t for t in self.inputs.pop((c, mb), []) if t.requires_grad]
         if kind == BACKWARD:
             self.blocks.pop((c, mb), None)
-            torch.autograd.backward(tensors, grad_tensors=grads)
+            autograd_calls.backward(tensors, grads)
         else:
             self.deferred[(c, mb)] = split_input_grad(tensors, grads, leaves, self.blocks.pop((c, mb)))
         if placement.prev_chunk(c) is not None:
@@ -217,11 +228,14 @@ class StepRun:
 
     # ---- communication --------------------------------------------------------------------------
     def _post_ahead(self, upto: int) -> None:
-        transport, placement = self.ctx.transport, self.placement
-        for batch in self.recv_batches[self.posted_upto:upto]:
-            for msg in batch.recvs:
+        """Post the receives of the comm batches before index ``upto``, and of later ones while the posted,
+        untaken receives' buffers hold under ``prepost_bytes`` (the transport counts them)."""
+        transport, placement, batches = self.ctx.transport, self.placement, self.recv_batches
+        while self.posted_upto < len(batches) and (
+                self.posted_upto < upto or getattr(transport, "preposted_bytes", 0) < self.prepost_bytes):
+            for msg in batches[self.posted_upto].recvs:
                 transport.prepost(_global(msg, self.mb_base), placement.rank_of(msg.src), self.describe(msg))
-        self.posted_upto = max(self.posted_upto, upto)
+            self.posted_upto += 1
 
     def _comm(self, op) -> None:
         self.post_sends(op)
@@ -307,7 +321,7 @@ def split_input_grad(tensors, grads, leaves, blocks):
         # A parameter used by two blocks (a tie inside the chunk): per-block W would count the
         # earlier use twice, so W differentiates the whole chunk once instead.
         if leaves:
-            got = torch.autograd.grad(tensors, leaves, grad_outputs=grads, retain_graph=True, allow_unused=True)
+            got = autograd_calls.grad(tensors, leaves, grads, retain_graph=True, allow_unused=True)
             for leaf, g in zip(leaves, got):
                 leaf.grad = g if g is not None else torch.zeros_like(leaf)
         params = list({id(p): p for block in blocks for p in block[1]}.values())
@@ -320,7 +334,7 @@ def split_input_grad(tensors, grads, leaves, blocks):
         # (Megatron DDP copies .grad into main_grad there)
         for t in flat:
             t.retain_grad()
-        torch.autograd.backward(tensors, grad_tensors=grads, inputs=leaves + flat + now, retain_graph=bool(flat))
+        autograd_calls.backward(tensors, grads, inputs=leaves + flat + now, retain_graph=bool(flat))
         for leaf in leaves:
             if leaf.grad is None:
                 leaf.grad = torch.zeros_like(leaf)
@@ -330,8 +344,7 @@ def split_input_grad(tensors, grads, leaves, blocks):
                 t.grad = None
     else:
         wanted = leaves + flat
-        got = torch.autograd.grad(tensors, wanted, grad_outputs=grads, retain_graph=bool(flat),
-                                  allow_unused=True) if wanted else []
+        got = autograd_calls.grad(tensors, wanted, grads, retain_graph=bool(flat), allow_unused=True) if wanted else []
         for leaf, g in zip(leaves, got[:len(leaves)]):
             leaf.grad = g if g is not None else torch.zeros_like(leaf)
         got = got[len(leaves):]

@@ -57,13 +57,13 @@ class PipelineHost:
         self.tensor_rank = grid.get_slice_parallel_rank()
         pipelines, families = every_pipeline(grid, self.placement.num_ranks)
         nccl = dist.get_backend() != "gloo"
-        self.groups = PipelineGroups(self.placement, pipelines, pipelines.index(
-                                         [grid.stage_to_global(p) for p in range(self.placement.num_ranks)]),
+        global_ranks = [grid.stage_to_global(p) for p in range(self.placement.num_ranks)]   # this pipeline's
+        self.groups = PipelineGroups(self.placement, pipelines, pipelines.index(global_ranks),
                                      plan.timeout_s,
                                      # ZeRO-1 reduces over data parallelism itself: then each pipeline on its own
                                      families=families if engine.zero_optimization_stage() != 1 else None,
                                      tied_holders=holders, nccl_edges=nccl)
-        self.transport = P2P(lambda p: grid.stage_to_global(p), self.device, len(self.placement.chunks),
+        self.transport = P2P(global_ranks.__getitem__, self.device, len(self.placement.chunks),
                              plan.timeout_s, self.groups.edges,
                              dynamic_shapes=bool(getattr(engine.module, "dynamic_shape", False)),
                              default_group=self.groups.job)

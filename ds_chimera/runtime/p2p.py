@@ -106,6 +106,11 @@ def encode_header(tensors) -> torch.Tensor:
     return header
 
 
+def _shapes(meta) -> list:
+    """A message's (dtype, requires_grad, shape) entries, shapes as lists, for an error message."""
+    return [(dtype, requires_grad, list(shape)) for dtype, requires_grad, shape in meta]
+
+
 def decode_header(header: torch.Tensor) -> list:
     values = header.tolist()
     out, pos = [], 1
@@ -141,6 +146,8 @@ class P2P:
         # NCCL receives are already stream-ordered and asynchronous; gloo's need the early post
         self.can_prepost = not self.header_on_device
         self.early_receives = 0       # receives that were posted ahead of need (a count, for tests and tuning)
+        self.preposted_bytes = 0      # the buffers of receives posted ahead and not yet taken
+        self.endpoints: dict = {}     # (group id, pipeline rank) -> (group, the peer's rank in it, the group object)
 
     def _tag(self, msg, part: int) -> int:
         kind_bit = 0 if msg.kind == "act" else 1
@@ -171,25 +178,36 @@ class P2P:
     def post(self, post, what: str):
         return post_or_fail(post, what)
 
+    def _endpoint(self, msg, pipe_rank: int) -> tuple:
+        """(process group, the peer's rank in it) of a message to or from pipeline rank ``pipe_rank``: the
+        group's own send/recv, which ``dist.isend``/``irecv`` call after their checks, looked up once per peer."""
+        group = self._group(msg)
+        key = (id(group), pipe_rank)
+        found = self.endpoints.get(key)
+        if found is None:
+            pg = group if group is not None else dist.group.WORLD
+            found = self.endpoints[key] = (pg, dist.get_group_rank(pg, self.to_global(pipe_rank)), group)
+        return found[0], found[1]
+
     def send(self, msg, dst_rank: int, tensors) -> None:
         self._prune()
         tensors = [t.detach().contiguous() for t in as_tuple(tensors)]
-        peer, group = self.to_global(dst_rank), self._group(msg)
-        works, header = [], None
-        meta = [(t.dtype, t.requires_grad, list(t.shape)) for t in tensors]
-        if self.dynamic_shapes or self._edge(msg) not in self.sent_meta:
+        pg, peer = self._endpoint(msg, dst_rank)
+        edge, header = self._edge(msg), None
+        meta = [(t.dtype, t.requires_grad, t.shape) for t in tensors]
+        if self.dynamic_shapes or edge not in self.sent_meta:
             header = encode_header(tensors)
             if self.header_on_device:
                 header = header.to(self.device)
-            works.append(self.post(lambda: dist.isend(header, peer, group=group, tag=self._tag(msg, 0)),
-                                   f"the send of {msg.kind} {msg.src}->{msg.dst} micro-batch {msg.mb}"))
-            self.sent_meta[self._edge(msg)] = meta
-        elif self.sent_meta[self._edge(msg)] != meta:
+            self.sent_meta[edge] = meta
+        elif self.sent_meta[edge] != meta:
             raise RuntimeError(f"pipeline tensor shapes changed on {msg.kind} {msg.src}->{msg.dst} "
-                               f"({self.sent_meta[self._edge(msg)]} -> {meta}); {self.shape_hint}")
-        for i, t in enumerate(tensors):
-            works.append(self.post(lambda t=t, i=i: dist.isend(t, peer, group=group, tag=self._tag(msg, i + 1)),
-                                   f"the send of {msg.kind} {msg.src}->{msg.dst} micro-batch {msg.mb}"))
+                               f"({_shapes(self.sent_meta[edge])} -> {_shapes(meta)}); {self.shape_hint}")
+        tag = self._tag(msg, 0)
+        parts = ([header] if header is not None else []) + tensors
+        first = 0 if header is not None else 1
+        works = self.post(lambda: [pg.send([t], peer, tag + first + i) for i, t in enumerate(parts)],
+                          f"the send of {msg.kind} {msg.src}->{msg.dst} micro-batch {msg.mb}")
         self.pending_sends.append((works, header, tensors))
 
     def _wait(self, work, what: str) -> None:
@@ -209,13 +227,14 @@ class P2P:
             return
         meta = self.recv_meta.get(self._edge(msg))
         if meta is not None:
-            self.preposted[self._key(msg)] = self._post_payload(msg, src_rank, meta, what)
+            out, works = self.preposted[self._key(msg)] = self._post_payload(msg, src_rank, meta, what)
+            self.preposted_bytes += sum(t.numel() * t.element_size() for t in out)
 
     def _post_payload(self, msg, src_rank: int, meta, what: str):
-        peer, group = self.to_global(src_rank), self._group(msg)
+        pg, peer = self._endpoint(msg, src_rank)
         out = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in meta]
-        works = [self.post(lambda buf=buf, i=i: dist.irecv(buf, peer, group=group, tag=self._tag(msg, i + 1)), what)
-                 for i, buf in enumerate(out)]
+        tag = self._tag(msg, 1)
+        works = self.post(lambda: [pg.recv([buf], peer, tag + i) for i, buf in enumerate(out)], what)
         return out, works
 
     def recv(self, msg, src_rank: int, what: str):
@@ -223,6 +242,7 @@ class P2P:
         if early is not None:
             self.early_receives += 1
             out, works = early
+            self.preposted_bytes -= sum(t.numel() * t.element_size() for t in out)
         else:
             out, works = self._post_payload(msg, src_rank, self._meta(msg, src_rank, what), what)
         for work in works:
@@ -233,9 +253,9 @@ class P2P:
         """The shapes of ``msg``'s tensors: remembered for a static edge, else read from its header."""
         meta = None if self.dynamic_shapes else self.recv_meta.get(self._edge(msg))
         if meta is None:
-            peer, group = self.to_global(src_rank), self._group(msg)
+            pg, peer = self._endpoint(msg, src_rank)
             header = torch.zeros(HEADER, dtype=torch.int64, device=self.device if self.header_on_device else "cpu")
-            self._wait(lambda: dist.irecv(header, peer, group=group, tag=self._tag(msg, 0)), what)
+            self._wait(lambda: pg.recv([header], peer, self._tag(msg, 0)), what)
             meta = decode_header(header.cpu())
             self.recv_meta[self._edge(msg)] = meta
         return meta

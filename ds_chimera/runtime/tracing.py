@@ -13,9 +13,14 @@ import time
 import torch
 
 
+def profiler_running() -> bool:
+    """Whether torch's profiler records now."""
+    return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
 def profiler_range(op):
     """``torch.profiler.record_function`` for ``op`` while a profiler runs; free otherwise."""
-    if torch.autograd.profiler._is_profiler_enabled:
+    if profiler_running():
         return torch.profiler.record_function(f"ds_chimera.{op}")
     return contextlib.nullcontext()
 
