@@ -9,7 +9,8 @@ entry layer first, see ``harness.TimedLayer``). For each
 schedule it prints the median step time over ideal = N * (F + I + W), and the simulator's
 prediction for the same program: with nominal costs, "calibrated" (the layers' measured costs
 and the ping-pong latency) and "full" (also the latency to a rank that has been waiting, the
-runtime's per-message host time, and the time of a gradient sync over the program's replica
+runtime's per-message host time, its host time per compute action (the planner's
+``runtime.host_cost.measure_dispatch``), and the time of a gradient sync over the program's replica
 groups to its last member and the host time of its post, each measured apart from the
 steps, just before and just after each N's rows; the mean of the two is used). In the same
 invocation it runs DeepSpeed's stock TrainSchedule (1F1B) and DualPipeV engines,
@@ -56,6 +57,7 @@ def worker(args):
     import ds_chimera  # noqa: F401
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
+    from ds_chimera.runtime.host_cost import measure_dispatch
     from ds_chimera.sim import Costs, simulate
 
     rank, world, layer_s, specs = init_timed_model()
@@ -74,6 +76,10 @@ def worker(args):
         pair_s, pair_post = allreduce_time(dist, torch, rank, pair_groups[mine], mine, idle_s=layer_s)
         world_s, world_post = allreduce_time(dist, torch, rank, None, tuple(range(world)), idle_s=layer_s)
         f_s, i_s, w_s = calibrate(torch, TimedLayer, layer_s, LAYERS // world, WIDTH)
+        # the runtime's host time per compute action (the planner's measurement): every rank at once, the mean
+        dispatch = torch.tensor([measure_dispatch()], dtype=torch.float64)
+        dist.all_reduce(dispatch)
+        dispatch_s = dispatch.item() / world
         if rank == 0:
             print(f"  measured {when}: one-way p2p latency {latency * 1e3:.2f} ms ping-pong, {waiting * 1e3:.2f} ms to "
                   f"a rank that has waited {layer_s * 1e3:.0f} ms; P2P host time per message: send "
@@ -81,10 +87,11 @@ def worker(args):
                   f"{late_recv_s * 1e3:.3f} ms); gradient sync over 2 ranks {pair_s * 1e3:.2f} ms, over "
                   f"{world} {world_s * 1e3:.2f} ms to every member, its post {pair_post * 1e3:.3f} / "
                   f"{world_post * 1e3:.3f} ms; timed-layer costs per rank share: F {f_s * 1e3:.2f} ms, "
-                  f"I {i_s * 1e3:.2f} ms, W {w_s * 1e3:.2f} ms (nominal {COST_S * 1e3:.0f} each)", flush=True)
+                  f"I {i_s * 1e3:.2f} ms, W {w_s * 1e3:.2f} ms (nominal {COST_S * 1e3:.0f} each); the runtime's "
+                  f"host time per compute action {dispatch_s * 1e3:.3f} ms", flush=True)
         return {"latency": latency, "waiting": waiting, "send": send_s, "recv": recv_s, "f": f_s, "i": i_s, "w": w_s,
                 "allreduce_2": pair_s, f"allreduce_{world}": world_s, "sync_post_2": pair_post,
-                f"sync_post_{world}": world_post}
+                f"sync_post_{world}": world_post, "dispatch": dispatch_s}
 
     def data(n):
         return random_batches(torch, WIDTH, n)
@@ -143,7 +150,7 @@ def worker(args):
             measured = 2 if size == 2 else world
             sync = {name: cost[f"{name}_{measured}"] if size > 1 else 0.0 for name in ("allreduce", "sync_post")}
             return Costs(fwd=cost["f"], bwd=cost["i"] + cost["w"], wgrad=cost["w"], comm=cost["waiting"],
-                         send=cost["send"], recv=cost["recv"], **sync)
+                         send=cost["send"], recv=cost["recv"], dispatch=cost["dispatch"], **sync)
         for (runtime, name, _, program), median in zip(entries, medians):
             row = {"runtime": runtime, "schedule": name, "N": n, "step_s": median, "vs_ideal": median / ideal}
             if program is None:
@@ -159,7 +166,7 @@ def worker(args):
                         "sim_full_vs_ideal": sim_full / ideal, "measured_vs_sim_full": median / sim_full,
                         "latency_s": cost["latency"], "waiting_latency_s": cost["waiting"], "send_s": cost["send"],
                         "recv_s": cost["recv"], "allreduce_s": program_full_costs.allreduce,
-                        "sync_post_s": program_full_costs.sync_post,
+                        "sync_post_s": program_full_costs.sync_post, "dispatch_s": cost["dispatch"],
                         "layer_costs_s": [cost["f"], cost["i"], cost["w"]]})
             rows.append(row)
             if rank == 0:
@@ -344,7 +351,8 @@ def summarise(rows):
     worst = max((r["measured_vs_sim"] for r in ok if "measured_vs_sim" in r), default=float("nan"))
     worst_full = max((r["measured_vs_sim_full"] for r in ok if "measured_vs_sim_full" in r), default=float("nan"))
     print(f"worst measured/simulated over ds_chimera rows: {worst:.3f} (calibrated: compute and ping-pong latency), "
-          f"{worst_full:.3f} (full: also a waiting rank's latency, the per-message host time, the gradient sync and its post)")
+          f"{worst_full:.3f} (full: also a waiting rank's latency, the per-message and per-action host time, the gradient "
+          f"sync and its post)")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,9 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="the global gradient norm's collective, from the last rank's arrival")
     p.add_argument("--cost-dispatch", type=float, default=0.0,
                    help="the runtime's host time around each compute action, beyond the op itself")
+    p.add_argument("--measure-dispatch", action="store_true",
+                   help="measure --cost-dispatch on this machine first (the runtime's executor on a one-rank program "
+                        "of near-free layers, one process; in seconds, so give the other costs in seconds too)")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO stage: 2 and 3 add the chunks' weight gathers (and 3 their releases) to the program")
     p.add_argument("--data-parallel", type=int, default=1,
@@ -139,6 +142,11 @@ def cmd_simulate(args) -> int:
     _check_target(args)
     if args.data_parallel < 1:
         raise ValueError(f"--data-parallel must be >= 1, got {args.data_parallel}")
+    if args.measure_dispatch:
+        from .runtime.host_cost import measure_dispatch
+        args.cost_dispatch = measure_dispatch()
+        print(f"measured: the runtime's host time per compute action {args.cost_dispatch * 1e3:.3f} ms "
+              f"(--cost-dispatch {args.cost_dispatch:.6f})", file=sys.stderr)
     costs = Costs(**{name: getattr(args, f"cost_{name}") for name in COST_NAMES})
     if args.schedule == "auto":
         return _rank_all(args, costs)

@@ -31,13 +31,14 @@ OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "fusedadam": 8, "cpuadam": 8, "l
 
 
 def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None, optimizer=None, micro_batch=None,
-            defer: bool = False):
+            defer: bool = False, host_cost=None):
     """The PipelineConfig with ``auto`` replaced by the planner's choice (every rank, same answer).
 
     ``micro_batch``: the (inputs, labels) pair to profile on, instead of the first micro-batch of
     ``training_data`` (only rank 0's is used; other ranks may pass :data:`ON_RANK0`). ``defer``: with no data
     to profile on (and no plan or profile file), return None instead of raising: the caller plans at the first
-    ``train_batch`` (:mod:`.deferred`)."""
+    ``train_batch`` (:mod:`.deferred`). ``host_cost``: the runtime's measurement of its host time per compute
+    action, taken with the links (:func:`.links.measure_links`) on CPU ranks."""
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
@@ -90,7 +91,10 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
     links = measure_links(dist, first, second, grid.get_data_parallel_group(), device, big_bytes=big, reduce_bytes=grads,
                           idle_s=min(max(stage_fwd, 1e-3), 0.05),
                           same_host=_local_ranks() >= 2,
-                          pipe_group=grid.get_pipe_parallel_group() if dp == 1 else None)
+                          pipe_group=grid.get_pipe_parallel_group() if dp == 1 else None,
+                          # on an accelerator the host runs ahead of the kernels it launches: its time per action
+                          # is on the step's path only when kernels are short, which is not modelled (no GPU lent)
+                          host_cost=host_cost if device.type == "cpu" else None)
     profile = Profile(profile.layers, links, profile.micro_batch_size, profile.device,
                       profile.optimizer_state_bytes_per_param, profile.meta)
     if rank == 0 and profile_file and not os.path.exists(profile_file):

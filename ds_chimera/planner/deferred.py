@@ -41,11 +41,12 @@ CARRIED = ("batch_fn", "training_dataloader", "monitor", "data_post_process_func
 class DeferredPlan:
     """What the first ``train_batch`` / ``eval_batch`` needs to plan and rebuild (see the module's text)."""
 
-    def __init__(self, build, pipeline, config: dict, optimizer):
+    def __init__(self, build, pipeline, config: dict, optimizer, host_cost=None):
         self.build = build              # pipeline config -> (engine, optimizer, loader, scheduler), initialize's rest
         self.pipeline = pipeline        # the "auto" section, with its options
         self.config = config
         self.optimizer = optimizer      # the script's optimizer argument (for the planner's state bytes)
+        self.host_cost = host_cost      # the runtime's host time per action, measured with the links
         self.loads = []                 # load_checkpoint calls made on the provisional engine, replayed
 
     @staticmethod
@@ -82,7 +83,7 @@ class DeferredPlan:
         if dist.get_rank() == 0:
             log.info("schedule auto: planning at the first call, on its first micro-batch")
         pipeline = resolve(engine.module, self.pipeline, self.config, optimizer=self.optimizer,
-                           micro_batch=micro_batch)
+                           micro_batch=micro_batch, host_cost=self.host_cost)
         self._rebuild(engine, pipeline, iterator)
         if first[0] is not None:
             engine._pending_batches.append(first[0])       # the profiled micro-batch is the call's first

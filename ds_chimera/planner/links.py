@@ -8,7 +8,10 @@ Measured with torch.distributed on the job's own process groups (gloo on CPU, NC
   sender's and receiver's own host time per message (posting a send; taking a message that has
   arrived), which the runtime pays per message and the simulator prices as ``send``/``recv``;
 - the all-reduce over the data-parallel group (when it has more than one member, else over
-  those two ranks: Chimera's replicas sync in pairs), small and big.
+  those two ranks: Chimera's replicas sync in pairs), small and big;
+- with ``host_cost``, the runtime's host time per compute action, every rank measuring at once (the mean):
+  the simulator's ``dispatch``. The entry points pass the runtime's measurement in
+  (``runtime.host_cost.measure_dispatch``); the planner does not import the runtime.
 
 Every rank of the world must call :func:`measure_links`; the result is the same on every rank.
 """
@@ -91,7 +94,7 @@ def _bandwidth(nbytes: int, big_s: float, small_s: float) -> float:
 
 def measure_links(dist, first_rank: int, second_rank: int, data_group, device, big_bytes: int = 1 << 20,
                   rounds: int = 30, idle_s: float = 0.005, same_host: bool = True, reduce_bytes: int = 1 << 20,
-                  pipe_group=None) -> Links:
+                  pipe_group=None, host_cost=None) -> Links:
     """Links measured between global ranks ``first_rank`` and ``second_rank``; the all-reduce over
     ``data_group`` where it has several members, else over those two ranks (Chimera's stage replicas
     sync over such pairs). Every rank calls it; the result is the same on every rank.
@@ -100,9 +103,11 @@ def measure_links(dist, first_rank: int, second_rank: int, data_group, device, b
     priced is the one to such a waiting rank where both ranks share a host (``same_host``).
     ``big_bytes`` (a message) and ``reduce_bytes`` (a stage's gradients) size the bandwidth probes.
     ``pipe_group`` (the pipeline ranks of a data-parallel copy, more than two): the all-reduce over it too,
-    for schedules whose stages have more than two replicas (Chimera with several pipelines)."""
+    for schedules whose stages have more than two replicas (Chimera with several pipelines).
+    ``host_cost``: a callable returning this rank's host time per compute action (seconds), called on every
+    rank at once after the messages are measured."""
     me = dist.get_rank()
-    values = torch.zeros(9, dtype=torch.float64, device=device)
+    values = torch.zeros(10, dtype=torch.float64, device=device)
     big = max(4, int(big_bytes) // 4)
     reduce_numel = max(4, int(reduce_bytes) // 4)
     pair = dist.new_group(sorted({first_rank, second_rank}))     # collective: every rank, in one order
@@ -138,12 +143,14 @@ def measure_links(dist, first_rank: int, second_rank: int, data_group, device, b
         if me == first_rank:
             values[6], values[7] = lat, _bandwidth(reduce_numel * 4, bw, lat)
     dist.barrier()
-    dist.all_reduce(values)            # each figure was written by one rank, zeros elsewhere
+    if host_cost is not None:
+        values[9] = host_cost() / dist.get_world_size()      # summed below: the mean over the ranks
+    dist.all_reduce(values)            # each figure was written by one rank, zeros elsewhere (but the mean)
     dist.destroy_process_group(pair)
     v = [float(x) for x in values.cpu()]
     return Links(p2p_latency_s=v[0], p2p_bytes_per_s=v[1], send_s=v[2], recv_s=v[3], allreduce_latency_s=v[4],
                  allreduce_bytes_per_s=v[5], wide_allreduce_latency_s=v[6] or v[4],
-                 wide_allreduce_bytes_per_s=v[7] if v[6] else v[5], sync_post_s=v[8])
+                 wide_allreduce_bytes_per_s=v[7] if v[6] else v[5], sync_post_s=v[8], dispatch_s=v[9])
 
 
 def _sync_post_time(dist, group, numel: int, rounds: int, device) -> float:

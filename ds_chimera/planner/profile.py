@@ -51,6 +51,7 @@ class Links:
     wide_allreduce_latency_s: float = 0.0    # the same over every pipeline rank (stages with > 2 replicas)
     wide_allreduce_bytes_per_s: float = 0.0
     sync_post_s: float = 0.0                 # a rank's own time to post one stage's gradient sync
+    dispatch_s: float = 0.0                  # the runtime's host time per compute action (runtime/host_cost.py)
 
     def message_s(self, nbytes: float) -> float:
         return self.p2p_latency_s + (nbytes / self.p2p_bytes_per_s if self.p2p_bytes_per_s else 0.0)

@@ -180,7 +180,7 @@ def enumerate_candidates(setting: Setting, num_layers: int) -> list:
 def _costs(profile: Profile, parts: list, setting: Setting, placement) -> Costs:
     """The simulator's non-compute costs on this profile: one message (the mean boundary size) and one
     stage's gradient all-reduce (the mean stage size, over its replicas and data-parallel copies), with the
-    runtime's host time per message."""
+    runtime's host time per message and per compute action."""
     links = profile.links
     outs = boundary_bytes(profile.layers, parts)
     grads = stage_sums(profile.layers, parts, "param_bytes")
@@ -189,7 +189,7 @@ def _costs(profile: Profile, parts: list, setting: Setting, placement) -> Costs:
     members = max(len(placement.stage_group(s)) for s in range(placement.num_stages)) * setting.data_parallel
     return Costs(fwd=1.0, bwd=1.0, wgrad=0.0, comm=links.message_s(mean_out),
                  allreduce=links.allreduce_s(mean_grad, members), send=links.send_s, recv=links.recv_s,
-                 sync_post=links.sync_post_s if members > 1 else 0.0)
+                 sync_post=links.sync_post_s if members > 1 else 0.0, dispatch=links.dispatch_s)
 
 
 def _compute_bound(placement, stage_time: list) -> float:

@@ -1,0 +1,147 @@
+"""The runtime's own host time per compute action: what a step adds to the layers' profiled costs.
+
+The layer profile times each layer's forward, input-grad and weight-grad alone. In a step, the runtime
+also works around every compute action: the executor's bookkeeping, the chunk's call, the input's leaf and
+copy, a split backward's block capture and its deferred weight-grad, each backward call's entry. That is
+the simulator's ``Costs.dispatch``; without it predictions run short by a few percent on CPU ranks, most for
+the schedules with the most actions per rank (docs/investigations/zero-bubble-host-time.md).
+
+Measured here apart from any step: the runtime's own executor runs a one-rank program of every compute kind
+(forward, full backward, input-grad, weight-grad; zbv's on one rank, two chunks) over chunks of one
+near-free layer; the per-action time less that layer's own forward, input-grad and weight-grad, timed as
+the profiler times layers, is the host time per action. The planner's links take it (``measure_links``'s
+``host_cost``; the entry points pass this function in, the planner does not import the runtime): every rank
+of a job measures at once, so ranks that share a host's cores are measured sharing them, as in a step.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from .. import autograd_calls
+
+PROGRAM = ("zbv", 1, 8)          # schedule, ranks, micro-batches: F, I and W of two chunks, hand-offs local
+
+
+class _NearFree(nn.Module):
+    """One multiply by a one-element weight: a layer with a weight and an input gradient, costing next to
+    nothing, so what is timed around it is the runtime's."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class _NoMessages:
+    """The transport of a one-rank program: it has no messages."""
+
+    def send(self, msg, dst_rank, tensors):
+        raise RuntimeError(f"a one-rank program sent {msg}")
+
+    def recv(self, msg, src_rank, what):
+        raise RuntimeError(f"a one-rank program received {msg}")
+
+    def prepost(self, msg, src_rank, what):
+        pass
+
+    def flush(self):
+        pass
+
+
+class _OneRank:
+    """The execution context of the one-rank program: the runtime's chunk class, a sum as the loss, no syncs."""
+
+    def __init__(self, schedule, width: int, device):
+        from .chunks import ChunkModule
+        from ..schedules.actions import split_chunks
+        self.placement, self.pipe_rank, self.transport = schedule.placement, 0, _NoMessages()
+        self.split_chunks = split_chunks(schedule.orders[0])
+        self.chunks = {}
+        for chunk in schedule.placement.chunks:
+            layer = _NearFree().to(device)
+            self.chunks[chunk.index] = ChunkModule(chunk.index, chunk.stage, 0, [layer], [layer])
+        self.x = torch.randn(1, width, device=device)
+
+    def load_input(self, chunk, mb):
+        return self.x
+
+    def forward(self, chunk, mb, x, capture, train):
+        return self.chunks[chunk](x, capture)
+
+    def loss(self, output, chunk, mb):
+        return output.sum()
+
+    def backward_done(self, chunk, mb):
+        pass
+
+    def start_grad_sync(self, stage):
+        pass
+
+    def wait_grad_syncs(self, stages):
+        pass
+
+    def clip_gradients(self, scope, stage):
+        pass
+
+    def optimizer_step(self, chunks):
+        for module in self.chunks.values():
+            for p in module.parameters():
+                p.grad = None
+
+
+def _layer_costs(width: int, device, rounds: int) -> dict:
+    """The near-free layer's own forward, input-grad and weight-grad (median seconds), timed as the profiler
+    times a layer, and the loss."""
+    layer = _NearFree().to(device)
+    times = {"F": [], "I": [], "W": [], "loss": []}
+    for _ in range(rounds):
+        x = torch.randn(1, width, device=device, requires_grad=True)
+        start = time.perf_counter()
+        y = layer(x)
+        mid = time.perf_counter()
+        loss = y.sum()
+        end_loss = time.perf_counter()
+        grads = [torch.ones_like(y)]
+        t0 = time.perf_counter()
+        autograd_calls.grad([y], [x], grads, retain_graph=True)
+        t1 = time.perf_counter()
+        autograd_calls.grad([y], [layer.weight], grads)
+        t2 = time.perf_counter()
+        del loss
+        times["F"].append(mid - start)
+        times["loss"].append(end_loss - mid)
+        times["I"].append(t1 - t0)
+        times["W"].append(t2 - t1)
+    return {kind: statistics.median(values) for kind, values in times.items()}
+
+
+def measure_dispatch(device="cpu", rounds: int = 30, width: int = 16) -> float:
+    """Seconds of the runtime's host time per compute action on this process (see the module docstring):
+    the median over ``rounds`` runs of the one-rank program, per action, less the layer's own costs."""
+    from .executor import StepExecutor
+    from ..schedules import registry
+    from ..schedules.actions import FORWARD, Action
+    name, ranks, n = PROGRAM
+    schedule = registry.get(name)(ranks, n)
+    ops = schedule.lower().ops[0]
+    context = _OneRank(schedule, width, device)
+    executor = StepExecutor(context)
+    kinds = [str(op.kind) for op in ops if type(op) is Action]
+    last = {c.index for c in schedule.placement.chunks if schedule.placement.next_chunk(c.index) is None}
+    losses = sum(1 for op in ops if type(op) is Action and op.kind == FORWARD and op.chunk in last)
+    for _ in range(3):                  # warm-up: allocations, the engine's first calls
+        executor.run(ops, train=True, scale=1.0 / n)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        executor.run(ops, train=True, scale=1.0 / n)
+        times.append(time.perf_counter() - start)
+    own = _layer_costs(width, device, rounds)
+    layers = sum(own.get(kind, own["I"] + own["W"] if kind == "B" else 0.0) for kind in kinds)
+    return max(0.0, (statistics.median(times) - layers - losses * own["loss"]) / len(kinds))

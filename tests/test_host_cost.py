@@ -1,0 +1,72 @@
+"""The runtime's host time per compute action (ds_chimera.runtime.host_cost), measured with the planner's links
+and priced by the planner and ``ds-chimera simulate`` as the simulator's ``dispatch``."""
+import json
+import subprocess
+import sys
+import time
+
+from ds_chimera.planner.profile import LayerCost, Links, Profile
+from ds_chimera.planner.search import Setting, plan
+from ds_chimera.runtime import executor, host_cost
+from netutil import run_ranks
+
+
+def test_it_measures_the_runtimes_own_work_per_action(monkeypatch):
+    plain = host_cost.measure_dispatch(rounds=15)
+    assert 0.0 < plain < 0.01, plain       # tens of microseconds on a CPU host: the executor's, not a layer's
+
+    forward = executor.StepRun._forward
+
+    def slower(self, op):                  # 2 ms more in every forward: 16 of the program's 48 actions
+        time.sleep(0.002)
+        forward(self, op)
+    monkeypatch.setattr(executor.StepRun, "_forward", slower)
+    slowed = host_cost.measure_dispatch(rounds=15)
+    assert 0.6e-3 < slowed - plain < 1.5e-3, (plain, slowed)     # 2 ms * 16 / 48 = 0.67 ms, plus sleeps' overshoot
+
+
+LINKS_SCRIPT = r"""
+import json, sys
+import torch, torch.distributed as dist
+from ds_chimera.planner.links import measure_links
+dist.init_process_group("gloo")
+links = measure_links(dist, 0, 1, None, torch.device("cpu"), rounds=5, host_cost=lambda: 0.001 * (dist.get_rank() + 1))
+print(json.dumps({"dispatch_s": links.dispatch_s}))
+dist.destroy_process_group()
+"""
+
+
+def test_the_links_carry_the_mean_over_every_rank(tmp_path):
+    script = tmp_path / "links.py"
+    script.write_text(LINKS_SCRIPT)
+    results, _ = run_ranks([str(script)], 2, {"OMP_NUM_THREADS": "1", "DS_CHIMERA_FAULT_MONITOR": "0"}, timeout_s=120)
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0, (rank, err[-2000:])
+        assert abs(json.loads(out.strip().splitlines()[-1])["dispatch_s"] - 0.0015) < 1e-12    # (1 + 2 ms) / 2
+
+
+def test_the_planner_prices_it_on_every_compute_action():
+    layers = tuple(LayerCost(name=f"l{i}", fwd=0.01, bwd=0.02, wgrad=0.01, activation_bytes=1 << 20,
+                             output_bytes=1 << 16, param_bytes=1 << 20) for i in range(8))
+    setting = Setting(stages=4, micro_batches=8)
+    steps = {}
+    for dispatch in (0.0, 0.002):
+        result = plan(Profile(layers, Links(dispatch_s=dispatch)), setting)
+        steps[dispatch] = {(c.schedule, json.dumps(c.options, sort_keys=True), c.cut): c.step_s
+                           for c in result.candidates if c.step_s is not None}
+    both = steps[0.0].keys() & steps[0.002].keys()        # the search prunes by its bound: each its own set
+    assert both
+    for key in both:
+        assert steps[0.002][key] > steps[0.0][key] + 0.002 * 8, key    # one micro-batch's actions on the path at least
+    assert min(steps[0.002].values()) > min(steps[0.0].values()) + 0.002 * 8
+
+
+def test_simulate_measures_it_when_asked():
+    base = [sys.executable, "-m", "ds_chimera.cli", "simulate", "--schedule", "zbv", "--stages", "4",
+            "--micro-batches", "8", "--cost-fwd", "0.01", "--cost-bwd", "0.02", "--cost-wgrad", "0.01", "--json"]
+    plain = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    measured = subprocess.run(base + ["--measure-dispatch"], capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0 and measured.returncode == 0, (plain.stderr[-2000:], measured.stderr[-2000:])
+    assert "the runtime's host time per compute action" in measured.stderr
+    makespan = [json.loads(p.stdout.strip().splitlines()[-1])["makespan"] for p in (plain, measured)]
+    assert makespan[1] > makespan[0]
