@@ -12,6 +12,7 @@ cores: the figures are the host's load as much as the code's, so compare rows wi
 alternating launches. ``--trees`` puts each tree first on ``PYTHONPATH`` (a ``git worktree`` of another commit).
 """
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -138,6 +139,8 @@ def main():
             if got is None:
                 return report(None)
             rows += [dict(r, launch=launch_no) for r in got]
+    with open(args.out, "w") as fh:         # every launch's rows (each launch's worker wrote its own only)
+        json.dump(rows, fh)
     return report(rows, summarise)
 
 
