@@ -22,7 +22,8 @@ def test_it_measures_the_runtimes_own_work_per_action(monkeypatch):
         forward(self, op)
     monkeypatch.setattr(executor.StepRun, "_forward", slower)
     slowed = host_cost.measure_dispatch(rounds=15)
-    assert 0.6e-3 < slowed - plain < 1.5e-3, (plain, slowed)     # 2 ms * 16 / 48 = 0.67 ms, plus sleeps' overshoot
+    # 2 ms * 16 / 48 = 0.67 ms, plus the sleeps' overshoot; the bounds leave room for a loaded host
+    assert 0.45e-3 < slowed - plain < 3e-3, (plain, slowed)
 
 
 LINKS_SCRIPT = r"""
