@@ -159,6 +159,9 @@ def _advised_row(dsm, functions, n: int, rank: int, world: int):
     fb = dsm.get_forward_backward_func(advice["schedule"], timeout=120, **advice["options"])
     placement = fb.config.build_schedule(world, n).placement
     chunks = [build_chunk(placement.chunks[c].stage) for c in placement.chunks_on(rank)]
+    for c, chunk in zip(placement.chunks_on(rank), chunks):      # as build_model_chunks tags what it builds
+        chunk._ds_chimera_stage, chunk._ds_chimera_built_for = placement.chunks[c].stage, (advice["schedule"],
+                                                                                          dict(advice["options"]))
     label = advice["schedule"] + " " + ",".join(f"{k}={v}" for k, v in advice["options"].items()) + " (advised)"
     return label, fb, chunks, advice["step_s"], advice["ratio"]
 
