@@ -26,6 +26,16 @@ def test_it_measures_the_runtimes_own_work_per_action(monkeypatch):
     assert 0.45e-3 < slowed - plain < 3e-3, (plain, slowed)
 
 
+def test_it_leaves_the_random_state_as_it_found_it():
+    """The planner measures it before training starts: the run after planning draws what it would have."""
+    import torch
+    torch.manual_seed(7)
+    host_cost.measure_dispatch(rounds=3)
+    after = torch.rand(4)
+    torch.manual_seed(7)
+    assert torch.equal(after, torch.rand(4))
+
+
 LINKS_SCRIPT = r"""
 import json, sys
 import torch, torch.distributed as dist

@@ -123,7 +123,13 @@ def _layer_costs(width: int, device, rounds: int) -> dict:
 
 def measure_dispatch(device="cpu", rounds: int = 30, width: int = 16) -> float:
     """Seconds of the runtime's host time per compute action on this process (see the module docstring):
-    the median over ``rounds`` runs of the one-rank program, per action, less the layer's own costs."""
+    the median over ``rounds`` runs of the one-rank program, per action, less the layer's own costs.
+    The random state is left as it was: training after planning starts as it would have."""
+    with torch.random.fork_rng(devices=[]):
+        return _measure(device, rounds, width)
+
+
+def _measure(device, rounds: int, width: int) -> float:
     from .executor import StepExecutor
     from ..schedules import registry
     from ..schedules.actions import FORWARD, Action
