@@ -11,6 +11,10 @@ script's own ``deepspeed.initialize`` honours ``"pipeline": {"schedule": ...}``.
 become 2N) and turns Wavelet's tick-tock data parallelism on for non-pipelined models;
 ``LOCAL_RANK`` is mapped back onto the N devices.
 
+When the job ends, the launcher removes the ~70 MB shared-memory buffer per rank that DeepSpeed's CPU
+accelerator makes in this node's ``/dev/shm`` and never removes (only this job's: its master port, made since it
+started); other nodes of a multi-node launch keep theirs.
+
 ``--pipeline-schedule NAME`` is for Megatron launches: Megatron-Core's
 ``get_forward_backward_func()`` then returns ds_chimera's NAME schedule in every worker
 (see :mod:`ds_chimera.megatron.install`).
@@ -28,6 +32,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 AUTOLOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_autoload")
 
@@ -151,4 +156,46 @@ def main(argv) -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", *argv]
     else:
         cmd = [sys.executable, "-c", DEEPSPEED_RUNNER, *argv]
-    return subprocess.call(cmd, env=env)
+    started = time.time()
+    try:
+        return subprocess.call(cmd, env=env)
+    finally:
+        remove_shm_buffers(master_port(argv), started)
+
+
+SHM_BUFFER = "deepspeed_allreduce_buffer"     # DeepSpeed's CPU accelerator's name (ops/csrc/cpu/comm/shm.cpp)
+DEFAULT_PORT = "29500"                        # the deepspeed launcher's and torchrun's default master port
+
+
+def master_port(argv: list) -> str:
+    """The job's master port, as the launcher's arguments give it (its default otherwise)."""
+    for i, arg in enumerate(argv):
+        for flag in ("--master_port", "--master-port"):
+            if arg == flag and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(flag + "="):
+                return arg.split("=", 1)[1]
+    return DEFAULT_PORT
+
+
+def remove_shm_buffers(port: str, since: float, folder: str = "/dev/shm") -> list:
+    """Remove this node's shared-memory buffers of the job that ended: DeepSpeed's CPU accelerator makes one of
+    about 70 MB per rank (``deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}``) and never removes it, so
+    launches fill the host's memory. Only this user's, of this job's port, made since it started (a job on
+    another port, or an older one, is left alone). Other nodes of a multi-node launch keep theirs. Returns the
+    names removed."""
+    if not os.path.isdir(folder):
+        return []
+    prefix, removed = f"{SHM_BUFFER}_{os.getuid()}_", []
+    for name in os.listdir(folder):
+        fields = name[len(prefix):].rsplit("_", 2)
+        if not name.startswith(prefix) or len(fields) != 3 or fields[1] != str(port):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            if os.stat(path).st_mtime >= since - 1.0:      # made (or written) since the job started
+                os.unlink(path)
+                removed.append(name)
+        except OSError:            # gone already, or not ours to remove
+            pass
+    return removed

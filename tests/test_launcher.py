@@ -288,3 +288,52 @@ def test_deepspeed_launcher_exports_ds_chimera_settings_to_every_node(tmp_path):
                            "DS_CHIMERA_PIPELINE_SCHEDULE": "interleaved",
                            "DS_CHIMERA_PIPELINE_OPTIONS": options}, exports
     assert AUTOLOAD in exports
+
+
+SHM_SCRIPT = r"""
+import os, sys
+import deepspeed
+deepspeed.init_distributed(dist_backend="gloo")
+import torch.distributed as dist
+names = [n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_allreduce_buffer_") and
+         n.rsplit("_", 2)[-2] == os.environ["MASTER_PORT"]]
+print(f"RANK{dist.get_rank()} BUFFERS={len(names)}", flush=True)
+dist.barrier()
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this host: nothing to leave behind")
+def test_a_launch_leaves_no_shared_memory_buffer_behind(tmp_path):
+    """DeepSpeed's CPU accelerator makes a ~70 MB /dev/shm buffer per rank under its launcher and never removes
+    it; the job sees them (so the check below means something), and after the launch none is left."""
+    script = tmp_path / "shm.py"
+    script.write_text(SHM_SCRIPT)
+    port = str(free_port())
+    proc = run("-m", "ds_chimera.cli", "launch", "--num_gpus", "2", "--master_port", port, str(script))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    seen = sorted(set(re.findall(r"RANK\d BUFFERS=(\d+)", proc.stdout)))
+    assert seen and all(int(n) >= 1 for n in seen), proc.stdout[-2000:]
+    left = [n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_allreduce_buffer_") and
+            n.rsplit("_", 2)[-2] == port]
+    assert left == []
+
+
+def test_the_launcher_removes_only_its_jobs_shared_memory_buffers(tmp_path):
+    from ds_chimera.launch import master_port, remove_shm_buffers
+    assert master_port(["--nproc_per_node", "2", "--master_port", "1234", "x.py"]) == "1234"
+    assert master_port(["--master-port=4321", "x.py"]) == "4321"
+    assert master_port(["--num_gpus", "4", "x.py", "--master_port", "9"]) == "9"      # the first one given
+    assert master_port(["x.py"]) == "29500"
+    uid = os.getuid()
+    mine = [f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_1234_{rank}" for rank in range(2)]
+    others = [f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_1235_0",      # another job's port
+              f"deepspeed_allreduce_buffer_{uid + 1}_127.0.0.1_1234_0",  # another user's
+              "unrelated_1234_0"]
+    old = f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_1234_7"          # an earlier job on the same port
+    for name in mine + others + [old]:
+        (tmp_path / name).write_bytes(b"x")
+    os.utime(tmp_path / old, (time.time() - 3600, time.time() - 3600))
+    since = time.time() - 10
+    removed = remove_shm_buffers("1234", since, folder=str(tmp_path))
+    assert sorted(removed) == sorted(mine)
+    assert sorted(os.listdir(tmp_path)) == sorted(others + [old])
