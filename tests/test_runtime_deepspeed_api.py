@@ -27,7 +27,7 @@ SCENARIOS = ["ckpt-resume-chimera", "ckpt-resume-2x2-zbv", "ckpt-cross-chimera-t
              "ckpt-cross-zbv-to-interleaved", "interop-stock-to-1f1b", "interop-1f1b-to-stock", "interop-stock-to-gpipe",
              *LM, "trace-chimera", "trace-zbv", "monitors", "param-groups", "param-groups-forms",
              "param-groups-zero1-2x2", "param-groups-zero3-2x2", "eval-arguments", "batch-size-change",
-             "bf16-export-2x2-zbv", "auto-plan"] + BAD + [f"config-{name}" for name in CONFIGS]
+             "bf16-export-2x2-zbv", "auto-plan", "load-other-precision"] + BAD + [f"config-{name}" for name in CONFIGS]
 
 
 @pytest.mark.parametrize("scenario", ["ckpt-resume-chimera", "ckpt-resume-2x2-zbv"])
@@ -213,3 +213,12 @@ def test_every_shipped_config_trains_with_its_schedule(results, name):
     assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(r["losses"], r["ref_losses"])), \
         (r["losses"], r["ref_losses"])
     assert r["losses"][-1] < r["losses"][0] - 0.05, r["losses"]      # and the run learns
+
+
+def test_a_checkpoint_of_another_precision_loads_its_weights_only(rank_results):
+    """bf16 saved, fp32 loading: the optimizer state is refused by name on every rank; the weights load."""
+    for rank, results in enumerate(rank_results):
+        r = results["load-other-precision"]
+        assert r["error"] is not None and "was saved by a bf16 run; this engine runs fp32" in r["error"], (rank, r)
+        assert "load_optimizer_states=False" in r["error"]
+        assert r["weights_only_diff"] == 0.0 and r["loaded_dtypes"] == ["torch.float32"], (rank, r)

@@ -138,15 +138,17 @@ def layout(engine) -> dict:
         out[OPTIONS] = options                 # to rebuild the plan ("auto" loading before its first call)
     if engine.plan.zero >= 2:
         out["zero"] = engine.plan.zero         # the optimizer state is in per-rank shards
+    out[PRECISION] = engine.plan.config.precision      # what the optimizer state holds (masters, loss scale)
     return out
 
 
 OPTIONS = "options"      # in the layout file, not compared: stage_ranks and parts say where the state lives
+PRECISION = "precision"  # compared on its own (a layout file written before it was recorded has none)
 
 
 def placement_of(found: dict) -> dict:
-    """A layout without the schedule's options: what decides where the optimizer state lives."""
-    return {k: v for k, v in found.items() if k != OPTIONS}
+    """A layout without the schedule's options and the precision: what decides where the optimizer state lives."""
+    return {k: v for k, v in found.items() if k not in (OPTIONS, PRECISION)}
 
 
 def _json_safe(value) -> bool:
@@ -202,10 +204,18 @@ def saved_layout(load_dir: str, tag):
 def check_layout(engine, saved: dict | None, load_dir: str, tag) -> None:
     """Refuse optimizer state saved by ds_chimera under another layout (``saved``, from :func:`saved_layout`: it
     would be misread); a stock checkpoint's is mapped by :func:`stock_optimizer_state` instead."""
-    if saved is None or placement_of(saved) == placement_of(layout(engine)):
+    if saved is None:
         return
-    raise ValueError(f"checkpoint {load_dir}/{tag} was written under {saved}; this engine is "
-                     f"{layout(engine)}: its optimizer state does not map onto these chunks. Load the weights "
+    mine = layout(engine)
+    if saved.get(PRECISION, mine[PRECISION]) != mine[PRECISION]:
+        raise ValueError(f"checkpoint {load_dir}/{tag} was saved by a {saved[PRECISION]} run; this engine runs "
+                         f"{mine[PRECISION]}, whose optimizer state (fp32 masters, loss scale) is another: load the "
+                         f"weights only, load_checkpoint(..., load_optimizer_states=False, "
+                         f"load_lr_scheduler_states=False), or run {saved[PRECISION]} as the saved run did")
+    if placement_of(saved) == placement_of(mine):
+        return
+    raise ValueError(f"checkpoint {load_dir}/{tag} was written under {placement_of(saved)}; this engine is "
+                     f"{placement_of(mine)}: its optimizer state does not map onto these chunks. Load the weights "
                      f"only: load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False)")
 
 

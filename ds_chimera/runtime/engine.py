@@ -352,7 +352,7 @@ class ScheduledPipelineEngine(PipelineEngine):
             # "auto" not planned yet: the run goes on under the plan the checkpoint was written under
             self._deferred_plan.adopt(self, saved, f"{load_dir}/{tag}")
             rebuilt = ckpt.layout(self)
-            if ckpt.OPTIONS not in saved and ckpt.placement_of(rebuilt) != saved:
+            if ckpt.OPTIONS not in saved and ckpt.placement_of(rebuilt) != ckpt.placement_of(saved):
                 raise ValueError(f"checkpoint {load_dir}/{tag} was written under {saved} by a ds_chimera that did "
                                  f"not record the schedule's options, and {saved['schedule']!r} with its defaults "
                                  f"is {rebuilt}: name that schedule and its options in the \"pipeline\" section "

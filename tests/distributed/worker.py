@@ -462,6 +462,36 @@ def bad_config(kind):
     return {"error": None}
 
 
+def load_other_precision():
+    """A bf16 run's checkpoint loaded by an fp32 run: its optimizer state is refused by name on every rank (the
+    masters and their state are another precision's), and its weights alone load, as saved."""
+    specs = mlp_specs(16)
+    holder = [tempfile.mkdtemp(prefix="dsc_ckpt_") if tdist.get_rank() == 0 else None]
+    tdist.broadcast_object_list(holder, src=0)
+    cfg = config("chimera", 8, 1)
+    cfg["bf16"] = {"enabled": True}
+    saved = make_engine(4, cfg, specs)
+    saved.train_batch(iter([(x.bfloat16(), y.bfloat16()) for x, y in my_batches(saved, make_global_batches(8), 0, 8)]))
+    saved.save_checkpoint(holder[0], tag="t")
+    loader = make_engine(4, config("chimera", 8, 1), specs)
+    try:
+        loader.load_checkpoint(holder[0])
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    loader.load_checkpoint(holder[0], load_optimizer_states=False, load_lr_scheduler_states=False)
+    worst, a, b = 0.0, local_layers(saved), local_layers(loader)
+    for idx, obj in a.items():
+        if isinstance(obj, torch.nn.Module):
+            for p, q in zip(obj.parameters(), b[idx].parameters(), strict=True):
+                worst = max(worst, (p.float() - q).abs().max().item())
+    dtypes = sorted({str(p.dtype) for obj in b.values() if isinstance(obj, torch.nn.Module) for p in obj.parameters()})
+    tdist.barrier()
+    if tdist.get_rank() == 0:
+        shutil.rmtree(holder[0], ignore_errors=True)
+    return {"error": error, "weights_only_diff": worst, "loaded_dtypes": dtypes}
+
+
 def inplace_specs():
     """DeepSpeed's CIFAR AlexNet test model, scaled down: convolutions, in-place ReLUs, a lambda; every
     stage of a uniform cut into 4 or 8 has parameters."""
@@ -1092,6 +1122,7 @@ for kind in ("unknown", "pipelines", "interleaved-n", "option", "zero2", "zero1-
              "fp16", "batch-split",
              "load-other-schedule", "async-tied", "async-actckpt", "async-bf16", "async-steps-ahead"):
     SCENARIOS[f"bad-{kind}"] = (lambda kind=kind: bad_config(kind))
+SCENARIOS["load-other-precision"] = load_other_precision
 
 
 def main():
