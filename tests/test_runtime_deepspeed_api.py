@@ -216,9 +216,13 @@ def test_every_shipped_config_trains_with_its_schedule(results, name):
 
 
 def test_a_checkpoint_of_another_precision_loads_its_weights_only(rank_results):
-    """bf16 saved, fp32 loading: the optimizer state is refused by name on every rank; the weights load."""
+    """bf16 saved, fp32 loading (and back): the optimizer state is refused by name on every rank; the weights
+    load, and a bf16 run steps from them."""
     for rank, results in enumerate(rank_results):
         r = results["load-other-precision"]
         assert r["error"] is not None and "was saved by a bf16 run; this engine runs fp32" in r["error"], (rank, r)
         assert "load_optimizer_states=False" in r["error"]
         assert r["weights_only_diff"] == 0.0 and r["loaded_dtypes"] == ["torch.float32"], (rank, r)
+        assert "was saved by a fp32 run; this engine runs bf16" in r["back_error"], (rank, r)
+        # a bf16 run stepping from an fp32 run's weights: one step from them, not back at its initial weights
+        assert r["back_step_from_saved"] < 0.5 * r["back_step_from_initial"], (rank, r)

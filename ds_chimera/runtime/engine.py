@@ -384,9 +384,12 @@ class ScheduledPipelineEngine(PipelineEngine):
             if self.host.shards is not None and result[0] is not None:    # the loaded full weights' slices
                 for sharded in self.host.shards.by_chunk.values():
                     sharded.shard_from_full()
-            if self.plan.config.fp16_masters and result[0] is not None and (load_module_only or
-                                                                             not load_optimizer_states):
-                self.optimizer.refresh_fp32_params()    # weights without optimizer state: the masters follow them
+            if result[0] is not None and (load_module_only or not load_optimizer_states) and \
+                    hasattr(self.optimizer, "refresh_fp32_params"):
+                # weights without optimizer state: the fp32 masters (ours under fp16, DeepSpeed's bf16 and ZeRO-1
+                # optimizers') follow them; DeepSpeed refreshes them for load_module_only only, so a weights-only
+                # load would otherwise step from the masters' old values and write them back
+                self.optimizer.refresh_fp32_params()
             if self.using_bf16_optimizer:
                 self.optimizer.clip_grad = 0.0     # a loaded state restores DeepSpeed's partial-norm clipping
             if load_optimizer_states and not load_module_only and result[0] is not None and tag is not None:

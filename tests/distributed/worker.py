@@ -486,10 +486,32 @@ def load_other_precision():
             for p, q in zip(obj.parameters(), b[idx].parameters(), strict=True):
                 worst = max(worst, (p.float() - q).abs().max().item())
     dtypes = sorted({str(p.dtype) for obj in b.values() if isinstance(obj, torch.nn.Module) for p in obj.parameters()})
+    # and back: the fp32 run trains on and saves; a bf16 run loads its weights only and steps from them (its
+    # optimizer's fp32 masters must follow the loaded weights, or the step would write the initial ones back)
+    for step in range(3):
+        loader.train_batch(iter(my_batches(loader, make_global_batches(8), step, 8)))
+    loader.save_checkpoint(holder[0], tag="u")
+    back = make_engine(4, cfg, specs)
+    initial = {i: [p.detach().float().clone() for p in m.parameters()] for i, m in local_layers(back).items()
+               if isinstance(m, torch.nn.Module)}
+    try:
+        back.load_checkpoint(holder[0], tag="u")
+        back_error = None
+    except ValueError as exc:
+        back_error = str(exc)
+    back.load_checkpoint(holder[0], tag="u", load_optimizer_states=False, load_lr_scheduler_states=False)
+    back.train_batch(iter([(x.bfloat16(), y.bfloat16()) for x, y in my_batches(back, make_global_batches(8), 3, 8)]))
+    to_saved = to_initial = 0.0
+    for idx, module in local_layers(back).items():
+        if isinstance(module, torch.nn.Module):
+            for p, q, p0 in zip(module.parameters(), b[idx].parameters(), initial[idx], strict=True):
+                to_saved = max(to_saved, (p.float() - q).abs().max().item())
+                to_initial = max(to_initial, (p.float() - p0).abs().max().item())
     tdist.barrier()
     if tdist.get_rank() == 0:
         shutil.rmtree(holder[0], ignore_errors=True)
-    return {"error": error, "weights_only_diff": worst, "loaded_dtypes": dtypes}
+    return {"error": error, "weights_only_diff": worst, "loaded_dtypes": dtypes, "back_error": back_error,
+            "back_step_from_saved": to_saved, "back_step_from_initial": to_initial}
 
 
 def inplace_specs():
