@@ -167,24 +167,33 @@ SHM_BUFFER = "deepspeed_allreduce_buffer"     # DeepSpeed's CPU accelerator's na
 DEFAULT_PORT = "29500"                        # the deepspeed launcher's and torchrun's default master port
 
 
-def master_port(argv: list) -> str:
-    """The job's master port, as the launcher's arguments give it (its default otherwise)."""
-    for i, arg in enumerate(argv):
+def master_port(argv: list) -> str | None:
+    """The job's master port, from the launcher's own arguments (those before the script): the one given, the
+    launchers' default without one, or None where the port is chosen at run time (torchrun's ``--standalone``
+    or a rendezvous endpoint): then no buffer is known to be this job's."""
+    own = []
+    for arg in argv:
+        if arg.endswith(".py"):
+            break
+        own.append(arg)
+    for i, arg in enumerate(own):
         for flag in ("--master_port", "--master-port"):
-            if arg == flag and i + 1 < len(argv):
-                return argv[i + 1]
+            if arg == flag and i + 1 < len(own):
+                return own[i + 1]
             if arg.startswith(flag + "="):
                 return arg.split("=", 1)[1]
+    if any(arg.split("=", 1)[0] in ("--standalone", "--rdzv-endpoint", "--rdzv_endpoint") for arg in own):
+        return None
     return DEFAULT_PORT
 
 
-def remove_shm_buffers(port: str, since: float, folder: str = "/dev/shm") -> list:
+def remove_shm_buffers(port: str | None, since: float, folder: str = "/dev/shm") -> list:
     """Remove this node's shared-memory buffers of the job that ended: DeepSpeed's CPU accelerator makes one of
     about 70 MB per rank (``deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}``) and never removes it, so
-    launches fill the host's memory. Only this user's, of this job's port, made since it started (a job on
-    another port, or an older one, is left alone). Other nodes of a multi-node launch keep theirs. Returns the
+    launches fill the host's memory. Only this user's, of this job's port, made or written since it started (a
+    job on another port is left alone; with the port unknown, nothing is removed). Other nodes of a multi-node launch keep theirs. Returns the
     names removed."""
-    if not os.path.isdir(folder):
+    if port is None or not os.path.isdir(folder):
         return []
     prefix, removed = f"{SHM_BUFFER}_{os.getuid()}_", []
     for name in os.listdir(folder):

@@ -322,8 +322,10 @@ def test_the_launcher_removes_only_its_jobs_shared_memory_buffers(tmp_path):
     from ds_chimera.launch import master_port, remove_shm_buffers
     assert master_port(["--nproc_per_node", "2", "--master_port", "1234", "x.py"]) == "1234"
     assert master_port(["--master-port=4321", "x.py"]) == "4321"
-    assert master_port(["--num_gpus", "4", "x.py", "--master_port", "9"]) == "9"      # the first one given
+    assert master_port(["--num_gpus", "4", "x.py", "--master_port", "9"]) == "29500"    # the script's own argument
     assert master_port(["x.py"]) == "29500"
+    assert master_port(["--standalone", "--nproc_per_node", "2", "x.py"]) is None      # chosen at run time
+    assert remove_shm_buffers(None, 0.0, folder=str(tmp_path)) == []
     uid = os.getuid()
     mine = [f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_1234_{rank}" for rank in range(2)]
     others = [f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_1235_0",      # another job's port

@@ -231,10 +231,14 @@ class StepRun:
         """Post the receives of the comm batches before index ``upto``, and of later ones while the posted,
         untaken receives' buffers hold under ``prepost_bytes`` (the transport counts them)."""
         transport, placement, batches = self.ctx.transport, self.placement, self.recv_batches
-        while self.posted_upto < len(batches) and (
-                self.posted_upto < upto or getattr(transport, "preposted_bytes", 0) < self.prepost_bytes):
-            for msg in batches[self.posted_upto].recvs:
-                transport.prepost(_global(msg, self.mb_base), placement.rank_of(msg.src), self.describe(msg))
+        while self.posted_upto < len(batches):
+            within = self.posted_upto < upto
+            if not within and getattr(transport, "preposted_bytes", 0) >= self.prepost_bytes:
+                break
+            posted = [transport.prepost(_global(msg, self.mb_base), placement.rank_of(msg.src), self.describe(msg))
+                      for msg in batches[self.posted_upto].recvs]
+            if not within and not all(posted):
+                break         # an edge whose shapes are not known yet (its first message): a later call posts it
             self.posted_upto += 1
 
     def _comm(self, op) -> None:

@@ -41,8 +41,8 @@ class LocalTransport:
     def recv(self, msg, src_rank: int, what: str) -> list:
         return self.mailbox.pop(self._key(msg))
 
-    def prepost(self, msg, src_rank: int, what: str) -> None:
-        pass
+    def prepost(self, msg, src_rank: int, what: str) -> bool:
+        return False         # messages are in the mailbox or not: nothing to post
 
     def flush(self) -> None:
         pass

@@ -217,18 +217,23 @@ class P2P:
     def _key(msg):
         return (msg.kind, msg.src, msg.dst, msg.mb)
 
-    def prepost(self, msg, src_rank: int, what: str) -> None:
-        """Post the receive of ``msg`` now, before it is needed, where its shapes are known.
+    def prepost(self, msg, src_rank: int, what: str) -> bool:
+        """Post the receive of ``msg`` now, before it is needed, where its shapes are known. Returns whether it
+        is posted (now or before).
 
         Only static-shape edges whose header has arrived qualify; anything else is received
         the ordinary way by :meth:`recv`.
         """
-        if not self.can_prepost or self.dynamic_shapes or self._key(msg) in self.preposted:
-            return
+        if self._key(msg) in self.preposted:
+            return True
+        if not self.can_prepost or self.dynamic_shapes:
+            return False
         meta = self.recv_meta.get(self._edge(msg))
-        if meta is not None:
-            out, works = self.preposted[self._key(msg)] = self._post_payload(msg, src_rank, meta, what)
-            self.preposted_bytes += sum(t.numel() * t.element_size() for t in out)
+        if meta is None:
+            return False
+        out, works = self.preposted[self._key(msg)] = self._post_payload(msg, src_rank, meta, what)
+        self.preposted_bytes += sum(t.numel() * t.element_size() for t in out)
+        return True
 
     def _post_payload(self, msg, src_rank: int, meta, what: str):
         pg, peer = self._endpoint(msg, src_rank)
