@@ -191,8 +191,8 @@ def remove_shm_buffers(port: str | None, since: float, folder: str = "/dev/shm")
     """Remove this node's shared-memory buffers of the job that ended: DeepSpeed's CPU accelerator makes one of
     about 70 MB per rank (``deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}``) and never removes it, so
     launches fill the host's memory. Only this user's, of this job's port, made or written since it started (a
-    job on another port is left alone; with the port unknown, nothing is removed). Other nodes of a multi-node launch keep theirs. Returns the
-    names removed."""
+    job on another port is left alone; with the port unknown, nothing is removed). Other nodes of a multi-node
+    launch keep theirs. Returns the names removed."""
     if port is None or not os.path.isdir(folder):
         return []
     prefix, removed = f"{SHM_BUFFER}_{os.getuid()}_", []

@@ -143,6 +143,7 @@ def layout(engine) -> dict:
 
 
 OPTIONS = "options"      # in the layout file, not compared: stage_ranks and parts say where the state lives
+WEIGHTS_ONLY = "load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False)"
 PRECISION = "precision"  # compared on its own (a layout file written before it was recorded has none)
 
 
@@ -197,8 +198,7 @@ def saved_layout(load_dir: str, tag):
     if not (path and os.path.exists(path)):
         return None
     return read_named_file(f"checkpoint {load_dir}/{tag}: its layout file", path, load_json,
-                           "the checkpoint is damaged: load another tag, or its weights only with "
-                           "load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False)")
+                           f"the checkpoint is damaged: load another tag, or its weights only with {WEIGHTS_ONLY}")
 
 
 def check_layout(engine, saved: dict | None, load_dir: str, tag) -> None:
@@ -210,13 +210,12 @@ def check_layout(engine, saved: dict | None, load_dir: str, tag) -> None:
     if saved.get(PRECISION, mine[PRECISION]) != mine[PRECISION]:
         raise ValueError(f"checkpoint {load_dir}/{tag} was saved by a {saved[PRECISION]} run; this engine runs "
                          f"{mine[PRECISION]}, whose optimizer state (fp32 masters, loss scale) is another: load the "
-                         f"weights only, load_checkpoint(..., load_optimizer_states=False, "
-                         f"load_lr_scheduler_states=False), or run {saved[PRECISION]} as the saved run did")
+                         f"weights only, {WEIGHTS_ONLY}, or run {saved[PRECISION]} as the saved run did")
     if placement_of(saved) == placement_of(mine):
         return
     raise ValueError(f"checkpoint {load_dir}/{tag} was written under {placement_of(saved)}; this engine is "
                      f"{placement_of(mine)}: its optimizer state does not map onto these chunks. Load the weights "
-                     f"only: load_checkpoint(..., load_optimizer_states=False, load_lr_scheduler_states=False)")
+                     f"only: {WEIGHTS_ONLY}")
 
 
 def stock_optimizer_state(engine, load_dir: str, tag) -> dict:

@@ -22,6 +22,11 @@ import torch
 from torch import nn
 
 from .. import autograd_calls
+from ..schedules import registry
+from ..schedules.actions import FORWARD, Action, split_chunks
+from .chunks import ChunkModule
+from .executor import StepExecutor
+from .local import LocalTransport
 
 PROGRAM = ("zbv", 1, 8)          # schedule, ranks, micro-batches: F, I and W of two chunks, hand-offs local
 
@@ -38,29 +43,12 @@ class _NearFree(nn.Module):
         return x * self.weight
 
 
-class _NoMessages:
-    """The transport of a one-rank program: it has no messages."""
-
-    def send(self, msg, dst_rank, tensors):
-        raise RuntimeError(f"a one-rank program sent {msg}")
-
-    def recv(self, msg, src_rank, what):
-        raise RuntimeError(f"a one-rank program received {msg}")
-
-    def prepost(self, msg, src_rank, what):
-        return False
-
-    def flush(self):
-        pass
-
-
 class _OneRank:
-    """The execution context of the one-rank program: the runtime's chunk class, a sum as the loss, no syncs."""
+    """The execution context of the one-rank program: the runtime's chunk class, a sum as the loss, no syncs, and
+    the in-process transport (a one-rank program has no messages)."""
 
     def __init__(self, schedule, width: int, device):
-        from .chunks import ChunkModule
-        from ..schedules.actions import split_chunks
-        self.placement, self.pipe_rank, self.transport = schedule.placement, 0, _NoMessages()
+        self.placement, self.pipe_rank, self.transport = schedule.placement, 0, LocalTransport({})
         self.split_chunks = split_chunks(schedule.orders[0])
         self.chunks = {}
         for chunk in schedule.placement.chunks:
@@ -130,9 +118,6 @@ def measure_dispatch(device="cpu", rounds: int = 30, width: int = 16) -> float:
 
 
 def _measure(device, rounds: int, width: int) -> float:
-    from .executor import StepExecutor
-    from ..schedules import registry
-    from ..schedules.actions import FORWARD, Action
     name, ranks, n = PROGRAM
     schedule = registry.get(name)(ranks, n)
     ops = schedule.lower().ops[0]

@@ -147,7 +147,7 @@ class P2P:
         self.can_prepost = not self.header_on_device
         self.early_receives = 0       # receives that were posted ahead of need (a count, for tests and tuning)
         self.preposted_bytes = 0      # the buffers of receives posted ahead and not yet taken
-        self.endpoints: dict = {}     # (group id, pipeline rank) -> (group, the peer's rank in it, the group object)
+        self.endpoints: dict = {}     # (message's group, pipeline rank) -> (process group, the peer's rank in it)
 
     def _tag(self, msg, part: int) -> int:
         kind_bit = 0 if msg.kind == "act" else 1
@@ -182,12 +182,11 @@ class P2P:
         """(process group, the peer's rank in it) of a message to or from pipeline rank ``pipe_rank``: the
         group's own send/recv, which ``dist.isend``/``irecv`` call after their checks, looked up once per peer."""
         group = self._group(msg)
-        key = (id(group), pipe_rank)
-        found = self.endpoints.get(key)
+        found = self.endpoints.get((group, pipe_rank))
         if found is None:
             pg = group if group is not None else dist.group.WORLD
-            found = self.endpoints[key] = (pg, dist.get_group_rank(pg, self.to_global(pipe_rank)), group)
-        return found[0], found[1]
+            found = self.endpoints[(group, pipe_rank)] = (pg, dist.get_group_rank(pg, self.to_global(pipe_rank)))
+        return found
 
     def send(self, msg, dst_rank: int, tensors) -> None:
         self._prune()
@@ -199,7 +198,6 @@ class P2P:
             header = encode_header(tensors)
             if self.header_on_device:
                 header = header.to(self.device)
-            self.sent_meta[edge] = meta
         elif self.sent_meta[edge] != meta:
             raise RuntimeError(f"pipeline tensor shapes changed on {msg.kind} {msg.src}->{msg.dst} "
                                f"({_shapes(self.sent_meta[edge])} -> {_shapes(meta)}); {self.shape_hint}")
@@ -208,6 +206,7 @@ class P2P:
         first = 0 if header is not None else 1
         works = self.post(lambda: [pg.send([t], peer, tag + first + i) for i, t in enumerate(parts)],
                           f"the send of {msg.kind} {msg.src}->{msg.dst} micro-batch {msg.mb}")
+        self.sent_meta[edge] = meta          # the header is on its way: later messages of the edge go without
         self.pending_sends.append((works, header, tensors))
 
     def _wait(self, work, what: str) -> None:

@@ -463,8 +463,9 @@ def bad_config(kind):
 
 
 def load_other_precision():
-    """A bf16 run's checkpoint loaded by an fp32 run: its optimizer state is refused by name on every rank (the
-    masters and their state are another precision's), and its weights alone load, as saved."""
+    """A bf16 run's checkpoint loaded by an fp32 run, and an fp32 run's by a bf16 run: the optimizer state is
+    refused by name on every rank (the masters and their state are another precision's), the weights alone load,
+    as saved, and the bf16 run steps from them."""
     specs = mlp_specs(16)
     holder = [tempfile.mkdtemp(prefix="dsc_ckpt_") if tdist.get_rank() == 0 else None]
     tdist.broadcast_object_list(holder, src=0)
@@ -480,20 +481,15 @@ def load_other_precision():
     except ValueError as exc:
         error = str(exc)
     loader.load_checkpoint(holder[0], load_optimizer_states=False, load_lr_scheduler_states=False)
-    worst, a, b = 0.0, local_layers(saved), local_layers(loader)
-    for idx, obj in a.items():
-        if isinstance(obj, torch.nn.Module):
-            for p, q in zip(obj.parameters(), b[idx].parameters(), strict=True):
-                worst = max(worst, (p.float() - q).abs().max().item())
-    dtypes = sorted({str(p.dtype) for obj in b.values() if isinstance(obj, torch.nn.Module) for p in obj.parameters()})
+    worst, _ = engine_diff(saved, loader)
+    dtypes = sorted({str(p.dtype) for m in local_layers(loader).values() if isinstance(m, torch.nn.Module)
+                     for p in m.parameters()})
     # and back: the fp32 run trains on and saves; a bf16 run loads its weights only and steps from them (its
     # optimizer's fp32 masters must follow the loaded weights, or the step would write the initial ones back)
     for step in range(3):
         loader.train_batch(iter(my_batches(loader, make_global_batches(8), step, 8)))
     loader.save_checkpoint(holder[0], tag="u")
-    back = make_engine(4, cfg, specs)
-    initial = {i: [p.detach().float().clone() for p in m.parameters()] for i, m in local_layers(back).items()
-               if isinstance(m, torch.nn.Module)}
+    back, initial = make_engine(4, cfg, specs), make_engine(4, cfg, specs)      # initial: the same seeds, untrained
     try:
         back.load_checkpoint(holder[0], tag="u")
         back_error = None
@@ -501,12 +497,8 @@ def load_other_precision():
         back_error = str(exc)
     back.load_checkpoint(holder[0], tag="u", load_optimizer_states=False, load_lr_scheduler_states=False)
     back.train_batch(iter([(x.bfloat16(), y.bfloat16()) for x, y in my_batches(back, make_global_batches(8), 3, 8)]))
-    to_saved = to_initial = 0.0
-    for idx, module in local_layers(back).items():
-        if isinstance(module, torch.nn.Module):
-            for p, q, p0 in zip(module.parameters(), b[idx].parameters(), initial[idx], strict=True):
-                to_saved = max(to_saved, (p.float() - q).abs().max().item())
-                to_initial = max(to_initial, (p.float() - p0).abs().max().item())
+    to_saved, _ = engine_diff(back, loader)
+    to_initial, _ = engine_diff(back, initial)
     tdist.barrier()
     if tdist.get_rank() == 0:
         shutil.rmtree(holder[0], ignore_errors=True)
