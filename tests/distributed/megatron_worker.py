@@ -459,6 +459,10 @@ def run_caught_failure() -> dict:
             return f"{type(exc).__name__}: {exc}"
         return "nothing raised"
     before = call(True)
+    # every rank done with the forward-only call before rank 1 can fail in the next: rank 1 does not wait for the
+    # ranks after it to finish a forward-only call, and one still in it would learn of the failure outside raised()
+    # and end the launch (seen once: ranks 2 and 3 "stop too ... in forward_backward_func (1f1b, forward only)")
+    dist.barrier()
     first = raised(lambda: call(False, failing))
     # on stdout as each rank sees it, call by call: the launch's output shows where a rank that ended went wrong
     print(f"caught-failure rank {dist.get_rank()}: first: {first[:200]}", flush=True)
