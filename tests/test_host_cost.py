@@ -5,6 +5,8 @@ import subprocess
 import sys
 import time
 
+import torch
+
 from ds_chimera.planner.profile import LayerCost, Links, Profile
 from ds_chimera.planner.search import Setting, plan
 from ds_chimera.runtime import executor, host_cost
@@ -24,6 +26,41 @@ def test_it_measures_the_runtimes_own_work_per_action(monkeypatch):
     slowed = host_cost.measure_dispatch(rounds=15)
     # 2 ms * 16 / 48 = 0.67 ms, plus the sleeps' overshoot; the bounds leave room for a loaded host
     assert 0.45e-3 < slowed - plain < 3e-3, (plain, slowed)
+
+
+class _Sleeping(torch.nn.Module):
+    """A layer whose forward, input-grad and weight-grad each sleep 2 ms (the benchmarks' timed layers do the same)."""
+    calls = 0
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        type(self).calls += 1
+        time.sleep(0.002)
+        return _SleepingGrad.apply(x) * self.weight
+
+
+class _SleepingGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.002)
+        return grad
+
+
+def test_it_measures_around_the_layer_it_is_given():
+    """Around layers that take their time (here by sleeping), the layers' own costs are taken off: what is left
+    is the runtime's, a fraction of a millisecond, not the 2 ms a layer's op takes."""
+    _Sleeping.calls = 0
+    around = host_cost.measure_dispatch(rounds=3, layer=_Sleeping)
+    # 3 warm-ups and 3 timed runs of 16 forwards each, and the layer costs' own forwards: the given layer ran
+    assert _Sleeping.calls >= 6 * 16, _Sleeping.calls
+    assert 0.0 <= around < 1e-3, around
 
 
 def test_it_leaves_the_random_state_as_it_found_it():

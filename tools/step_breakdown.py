@@ -146,6 +146,11 @@ def worker(args):
               f"in the step, {result['sim_gap_per_rank_s'] * 1e3:.2f} ms simulated (calibrated costs, latency); "
               f"between two W ops: {result['ww_gap_s'] * 1e3:.2f} ms each, "
               f"{result['sim_ww_gap_s'] * 1e3:.2f} ms simulated", flush=True)
+    if rank == 0 and args.dump:
+        with open(args.dump, "w") as f:
+            json.dump({"steps": [[per_rank[step] for per_rank in gathered] for step in range(len(records))],
+                       "simulated": [list(rec) for rec in with_latency.records], "costs_s": [f_s, i_s, w_s],
+                       "waiting_latency_s": waiting}, f)
     save_rows(dist, [result], args.out)
 
 
@@ -156,6 +161,8 @@ def main():
                         help="the schedule's options as JSON (default: %(default)s; '{}' for none)")
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dump", default=None,
+                        help="write every traced step's op records and the simulated ones to this JSON file")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "step_breakdown.json"))
     args = parser.parse_args()
@@ -173,7 +180,8 @@ def main():
     except ValueError as exc:
         parser.error(str(exc))
     return report(launch(__file__, ["--schedule", args.schedule, "--options", args.options, "--micro-batches",
-                                    args.micro_batches, "--repeats", args.repeats], args.out, ("  breakdown",)))
+                                    args.micro_batches, "--repeats", args.repeats]
+                                   + (["--dump", os.path.abspath(args.dump)] if args.dump else []), args.out, ("  breakdown",)))
 
 
 if __name__ == "__main__":

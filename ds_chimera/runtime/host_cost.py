@@ -8,8 +8,15 @@ the schedules with the most actions per rank (docs/investigations/zero-bubble-ho
 
 Measured here apart from any step: the runtime's own executor runs a one-rank program of every compute kind
 (forward, full backward, input-grad, weight-grad; zbv's on one rank, two chunks) over chunks of one
-near-free layer; the per-action time less that layer's own forward, input-grad and weight-grad, timed as
-the profiler times layers, is the host time per action. The planner's links take it (``measure_links``'s
+layer, near-free by default; the per-action time less that layer's own forward, input-grad and weight-grad,
+timed as the profiler times layers, is the host time per action.
+
+What the runtime's code costs depends on what ran on the core before it. Between compute-bound layers it runs
+on a warm core: the near-free default measures that. After a layer that leaves the core idle (a wait on a
+device, or the benchmarks' timed layers, which sleep) a virtual CPU resumes with cold caches, and the first
+code after the wait runs several times slower: on this project's CI host a 1 us tensor op takes 5 us after
+0.1 ms idle and 100 us after 10 ms (docs/investigations/zero-bubble-host-time.md). ``layer`` measures the
+host time per action around such layers. The planner's links take it (``measure_links``'s
 ``host_cost``; the entry points pass this function in, the planner does not import the runtime): every rank
 of a job measures at once, so ranks that share a host's cores are measured sharing them, as in a step.
 """
@@ -45,16 +52,17 @@ class _NearFree(nn.Module):
 
 class _OneRank:
     """The execution context of the one-rank program: the runtime's chunk class, a sum as the loss, no syncs, and
-    the in-process transport (a one-rank program has no messages)."""
+    the in-process transport (a one-rank program has no messages). The input needs a gradient, as a
+    later stage's does: every input-grad action then computes one, as the layer costs' I does."""
 
-    def __init__(self, schedule, width: int, device):
+    def __init__(self, schedule, width: int, device, make_layer):
         self.placement, self.pipe_rank, self.transport = schedule.placement, 0, LocalTransport({})
         self.split_chunks = split_chunks(schedule.orders[0])
         self.chunks = {}
         for chunk in schedule.placement.chunks:
-            layer = _NearFree().to(device)
+            layer = make_layer().to(device)
             self.chunks[chunk.index] = ChunkModule(chunk.index, chunk.stage, 0, [layer], [layer])
-        self.x = torch.randn(1, width, device=device)
+        self.x = torch.randn(1, width, device=device, requires_grad=True)
 
     def load_input(self, chunk, mb):
         return self.x
@@ -83,10 +91,10 @@ class _OneRank:
                 p.grad = None
 
 
-def _layer_costs(width: int, device, rounds: int) -> dict:
-    """The near-free layer's own forward, input-grad and weight-grad (median seconds), timed as the profiler
-    times a layer, and the loss."""
-    layer = _NearFree().to(device)
+def _layer_costs(make_layer, width: int, device, rounds: int) -> dict:
+    """The layer's own forward, input-grad and weight-grad (median seconds), timed as the profiler times a
+    layer, and the loss."""
+    layer = make_layer().to(device)
     times = {"F": [], "I": [], "W": [], "loss": []}
     for _ in range(rounds):
         x = torch.randn(1, width, device=device, requires_grad=True)
@@ -109,19 +117,22 @@ def _layer_costs(width: int, device, rounds: int) -> dict:
     return {kind: statistics.median(values) for kind, values in times.items()}
 
 
-def measure_dispatch(device="cpu", rounds: int = 30, width: int = 16) -> float:
+def measure_dispatch(device="cpu", rounds: int = 30, width: int = 16, layer=None) -> float:
     """Seconds of the runtime's host time per compute action on this process (see the module docstring):
     the median over ``rounds`` runs of the one-rank program, per action, less the layer's own costs.
+
+    ``layer``: a function making the layer each chunk holds (a module mapping a (1, ``width``) tensor to one of
+    the same shape, with a parameter and an input gradient); near-free by default.
     The random state is left as it was: training after planning starts as it would have."""
     with torch.random.fork_rng(devices=[]):
-        return _measure(device, rounds, width)
+        return _measure(device, rounds, width, layer or _NearFree)
 
 
-def _measure(device, rounds: int, width: int) -> float:
+def _measure(device, rounds: int, width: int, make_layer) -> float:
     name, ranks, n = PROGRAM
     schedule = registry.get(name)(ranks, n)
     ops = schedule.lower().ops[0]
-    context = _OneRank(schedule, width, device)
+    context = _OneRank(schedule, width, device, make_layer)
     executor = StepExecutor(context)
     kinds = [str(op.kind) for op in ops if type(op) is Action]
     last = {c.index for c in schedule.placement.chunks if schedule.placement.next_chunk(c.index) is None}
@@ -133,6 +144,6 @@ def _measure(device, rounds: int, width: int) -> float:
         start = time.perf_counter()
         executor.run(ops, train=True, scale=1.0 / n)
         times.append(time.perf_counter() - start)
-    own = _layer_costs(width, device, rounds)
+    own = _layer_costs(make_layer, width, device, rounds)
     layers = sum(own.get(kind, own["I"] + own["W"] if kind == "B" else 0.0) for kind in kinds)
     return max(0.0, (statistics.median(times) - layers - losses * own["loss"]) / len(kinds))
