@@ -323,6 +323,26 @@ def calibrate(torch, layer_cls, layer_s, layers_per_rank, width, repeats=15):
     return tuple(float(v) for v in values)
 
 
+def loss_cost(torch, layer_cls, layer_s, loss, width, repeats=15):
+    """Measured time of ``loss(output)`` right after a timed layer's forward, as the planner's profile closes a
+    model's last layer with its loss (rank 0's median, on every rank).
+
+    The loss is the model's work, not the runtime's, so neither ``calibrate`` nor the runtime's host time per
+    action holds it. It is small, but it runs just after the layer's sleep, on a cold core
+    (``tools/cold_core.py``): a 16-element MSE loss then takes a few hundred microseconds, not ten.
+    """
+    layer = layer_cls(layer_s, layer_s, layer_s)
+    times = []
+    for _ in range(repeats):
+        out = layer(torch.randn(1, width, requires_grad=True))
+        start = time.perf_counter()
+        loss(out)
+        times.append(time.perf_counter() - start)
+    value = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    torch.distributed.broadcast(value, 0)
+    return float(value)
+
+
 # ---- rows stepping in turn -------------------------------------------------------------------
 
 def median_steps_in_turn(dist, steps: list, repeats: int) -> list:

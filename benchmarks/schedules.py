@@ -26,10 +26,12 @@ import statistics
 import sys
 import time
 
+import torch
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from harness import (COST_S, LAYERS, MICRO, WIDTH, TimedLayer, benchmark_parser, calibrate, ds_config,  # noqa: E402
-                     init_timed_model, label, launch, median_steps_in_turn, p2p_host_costs, p2p_latency,
+                     init_timed_model, label, launch, loss_cost, median_steps_in_turn, p2p_host_costs, p2p_latency,
                      p2p_waiting_latency, process_groups, random_batches, release_groups, report, save_rows,
                      stage_layers, timed_engine)
 
@@ -40,6 +42,17 @@ OURS = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"chunks": 2}), ("breadth-f
 # the same runtime behind Megatron-Core's forward-backward contract (ds_chimera.megatron)
 MEGATRON = [("1f1b", {}), ("interleaved", {"chunks": 2}), ("chimera", {"order": "merged"}),
             ("chimera", {"order": "zero-bubble"}), ("zb-h1", {}), ("zbv", {})]
+MSE = torch.nn.MSELoss()      # every row's loss (DeepSpeed's loss_fn, the Megatron rows' loss function)
+
+
+def megatron_loss(target):
+    """The Megatron rows' loss function, which their forward_step returns: the loss, and its detached copy for the
+    logged dict."""
+    return lambda out: (MSE(out, target), {"loss": MSE(out, target).detach()})
+
+
+# each runtime's loss on the last stage, given the target (the full simulation adds it to that stage's forward)
+LOSSES = {"ds_chimera": lambda target: (lambda out: MSE(out, target)), "ds_chimera.megatron": megatron_loss}
 PEERS = [("deepspeed", "TrainSchedule (1F1B)"), ("deepspeed", "DualPipeV"),
          ("torch", "GPipe"), ("torch", "1F1B"), ("torch", "LoopedBFS"), ("torch", "Interleaved1F1B"),
          ("torch", "InterleavedZeroBubble"), ("torch", "ZBVZeroBubble"), ("torch", "DualPipeV")]
@@ -51,7 +64,6 @@ def wanted(args, text: str) -> bool:
 
 
 def worker(args):
-    import torch
     import torch.distributed as dist
 
     import ds_chimera  # noqa: F401
@@ -76,6 +88,9 @@ def worker(args):
         pair_s, pair_post = allreduce_time(dist, torch, rank, pair_groups[mine], mine, idle_s=layer_s)
         world_s, world_post = allreduce_time(dist, torch, rank, None, tuple(range(world)), idle_s=layer_s)
         f_s, i_s, w_s = calibrate(torch, TimedLayer, layer_s, LAYERS // world, WIDTH)
+        # the last stage's loss after its forward: DeepSpeed's loss_fn, and the Megatron rows' loss function
+        target = torch.randn(MICRO, WIDTH)
+        losses = {runtime: loss_cost(torch, TimedLayer, layer_s, LOSSES[runtime](target), WIDTH) for runtime in LOSSES}
         # the runtime's host time per compute action, every rank at once, the mean: around near-free layers (the
         # planner's measurement, a warm core) and around the timed layers, which sleep: the code after each of
         # their sleeps runs on a cold core, as it does in the steps (host_cost's docstring); the second is priced
@@ -92,10 +107,12 @@ def worker(args):
                   f"{world_post * 1e3:.3f} ms; timed-layer costs per rank share: F {f_s * 1e3:.2f} ms, "
                   f"I {i_s * 1e3:.2f} ms, W {w_s * 1e3:.2f} ms (nominal {COST_S * 1e3:.0f} each); the runtime's "
                   f"host time per compute action {dispatch_s * 1e3:.3f} ms around the timed layers "
-                  f"({warm_dispatch_s * 1e3:.3f} ms around near-free ones)", flush=True)
+                  f"({warm_dispatch_s * 1e3:.3f} ms around near-free ones); the loss after the last stage's forward "
+                  + ", ".join(f"{seconds * 1e3:.3f} ms ({runtime})" for runtime, seconds in losses.items()), flush=True)
         return {"latency": latency, "waiting": waiting, "send": send_s, "recv": recv_s, "f": f_s, "i": i_s, "w": w_s,
                 "allreduce_2": pair_s, f"allreduce_{world}": world_s, "sync_post_2": pair_post,
-                f"sync_post_{world}": world_post, "dispatch": dispatch_s, "warm_dispatch": warm_dispatch_s}
+                f"sync_post_{world}": world_post, "dispatch": dispatch_s, "warm_dispatch": warm_dispatch_s,
+                **{f"loss_{runtime}": seconds for runtime, seconds in losses.items()}}
 
     def data(n):
         return random_batches(torch, WIDTH, n)
@@ -149,12 +166,14 @@ def worker(args):
         cost = {key: (before[key] + after[key]) / 2 for key in before}
         calibrated_costs = Costs(fwd=cost["f"], bwd=cost["i"] + cost["w"], wgrad=cost["w"], comm=cost["latency"])
 
-        def full_costs(program):
+        def full_costs(program, runtime):
+            """(Costs, StageCosts) of the full simulation: the last stage's forward also computes the loss."""
             size = sync_group_size(program)       # syncs over 2 ranks (Chimera's pairs) or over every rank
             measured = 2 if size == 2 else world
             sync = {name: cost[f"{name}_{measured}"] if size > 1 else 0.0 for name in ("allreduce", "sync_post")}
-            return Costs(fwd=cost["f"], bwd=cost["i"] + cost["w"], wgrad=cost["w"], comm=cost["waiting"],
-                         send=cost["send"], recv=cost["recv"], dispatch=cost["dispatch"], **sync)
+            costs = Costs(fwd=cost["f"], bwd=cost["i"] + cost["w"], wgrad=cost["w"], comm=cost["waiting"],
+                          send=cost["send"], recv=cost["recv"], dispatch=cost["dispatch"], **sync)
+            return costs, with_loss(costs, program.placement, cost[f"loss_{runtime}"])
         for (runtime, name, _, program), median in zip(entries, medians):
             row = {"runtime": runtime, "schedule": name, "N": n, "step_s": median, "vs_ideal": median / ideal}
             if program is None:
@@ -164,14 +183,14 @@ def worker(args):
                 continue
             sim0 = simulate(program, Costs(fwd=COST_S, bwd=2 * COST_S, wgrad=COST_S)).makespan
             sim = simulate(program, calibrated_costs).makespan
-            program_full_costs = full_costs(program)
-            sim_full = simulate(program, program_full_costs).makespan
+            program_full_costs, program_stage_costs = full_costs(program, runtime)
+            sim_full = simulate(program, program_full_costs, stage_costs=program_stage_costs).makespan
             row.update({"sim_nocomm_vs_ideal": sim0 / ideal, "sim_vs_ideal": sim / ideal, "measured_vs_sim": median / sim,
                         "sim_full_vs_ideal": sim_full / ideal, "measured_vs_sim_full": median / sim_full,
                         "latency_s": cost["latency"], "waiting_latency_s": cost["waiting"], "send_s": cost["send"],
                         "recv_s": cost["recv"], "allreduce_s": program_full_costs.allreduce,
                         "sync_post_s": program_full_costs.sync_post, "dispatch_s": cost["dispatch"],
-                        "layer_costs_s": [cost["f"], cost["i"], cost["w"]]})
+                        "loss_s": cost[f"loss_{runtime}"], "layer_costs_s": [cost["f"], cost["i"], cost["w"]]})
             rows.append(row)
             if rank == 0:
                 shown = "ds_chimera" if runtime == "ds_chimera" else "megatron  "
@@ -220,6 +239,18 @@ def allreduce_time(dist, torch, rank, group, ranks: tuple, idle_s: float, rounds
     return statistics.median(times), statistics.median(posts)
 
 
+def with_loss(costs, placement, loss_s: float):
+    """Every stage's costs as ``costs`` gives them, the last stage's forward with the loss added (StageCosts)."""
+    from ds_chimera.schedules.costs import StageCosts
+    from ds_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT_GRAD
+
+    stages, size = placement.num_stages, placement.size
+    fwd = [costs.of(FORWARD) * size] * stages
+    fwd[-1] += loss_s
+    return StageCosts(fwd=fwd, bwd=[costs.of(BACKWARD) * size] * stages, wgrad=[costs.of(WEIGHT_GRAD) * size] * stages,
+                      activations=[size] * stages)
+
+
 def sync_group_size(program) -> int:
     """The most ranks any gradient sync of ``program`` spans (1: the program has none)."""
     from ds_chimera.schedules.actions import SyncStart
@@ -232,7 +263,6 @@ def megatron_contract_step(name, options, n, specs, world, rank, data):
     The chunks follow Megatron's model-chunk interface (``set_input_tensor``); the step is
     the forward-backward call plus the optimizer step, as in Megatron's training loop.
     """
-    import torch
     from torch import nn
 
     import ds_chimera.megatron as dsm
@@ -262,12 +292,10 @@ def megatron_contract_step(name, options, n, specs, world, rank, data):
         chunks.append(chunk)
     opt = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=1e-3)
     batch = data(n)
-    mse = nn.MSELoss()
-
     def forward_step(data_iterator, model):
         x, y = next(data_iterator)
         out = model(x)
-        return out, (lambda o: (mse(o, y), {"loss": mse(o, y).detach()})) if model.stage == last else None
+        return out, megatron_loss(y) if model.stage == last else None
 
     def step():
         forward_backward(forward_step_func=forward_step, data_iterator=iter(batch), model=chunks,
@@ -279,7 +307,6 @@ def megatron_contract_step(name, options, n, specs, world, rank, data):
 
 def torch_pipelining_step(name, n, specs, world, rank, data):
     """One training step of torch.distributed.pipelining's schedule ``name`` on the same layers."""
-    import torch
     from torch import nn
     from torch.distributed import pipelining as pp
 
