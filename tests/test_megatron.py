@@ -64,6 +64,7 @@ def test_every_synchronous_schedule_matches_single_process_training(contract_res
             assert case["grad_norm"] > 0.1, what               # there is a gradient to compare
             assert case["grad_diff"] <= 1e-6, what
             assert case["finalize_calls"] == 1, what           # config.finalize_model_grads_func, once per call
+            assert case["hooks_added"] == 0, what               # the chunks' modules left as they were
 
 
 def test_placements_and_loss_dicts_follow_the_schedule(contract_results):
@@ -348,6 +349,39 @@ def test_split_backward_of_captured_blocks_equals_a_full_backward(call_twice):
         torch.autograd.backward(outs, grad_tensors=grads, inputs=params)
     for name, p in model.named_parameters():
         assert torch.allclose(p.grad, expected[name], atol=1e-6), name
+
+
+def test_one_block_recorder_serves_every_forward_of_a_call_and_leaves_no_hook():
+    """The host hooks a chunk's modules once per call (not per micro-batch): each forward's blocks still give
+    exactly one backward's gradients, a forward outside a recording records nothing, and close() takes every
+    hook off."""
+    import torch
+    from ds_chimera.megatron.weight_blocks import BlockRecorder, settle_blocks
+    from ds_chimera.runtime.executor import split_input_grad
+    model = _TiedLM(False)
+    batches = [torch.tensor([[1, 4, 7], [2, 9, 3]]), torch.tensor([[5, 0, 10], [8, 6, 1]])]
+    sum(model(ids) for ids in batches).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    recorder = BlockRecorder(model)
+    assert sum(len(m._forward_hooks) for m in model.modules()) == 4       # emb, mid, norm, twice: once each
+    work = []
+    for ids in batches:
+        capture = []
+        with recorder.recording(capture) as nodes:
+            out = model(ids)
+        assert len(capture) == 4, capture
+        settle_blocks(model, capture, nodes, out)
+        work += split_input_grad([out], None, [], capture)
+    assert recorder.capture is None
+    model(batches[0])                                  # outside a recording: no block, no error
+    for outs, grads, params in work:
+        torch.autograd.backward(outs, grad_tensors=grads, inputs=params)
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, expected[name], atol=1e-6), name
+    recorder.close()
+    assert all(not m._forward_hooks for m in model.modules())
 
 
 def test_a_micro_batch_count_the_schedule_cannot_run_raises_what_megatron_raises():

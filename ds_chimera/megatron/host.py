@@ -15,7 +15,7 @@ import torch
 from ..runtime.gradsync import FlatGradAllReduce
 from ..schedules.actions import split_chunks
 from .model_chunk import unwrap
-from .weight_blocks import blocks_of, settle_blocks
+from .weight_blocks import BlockRecorder, settle_blocks
 
 
 class MicroBatchFeed:
@@ -84,6 +84,7 @@ class MegatronHost:
         self.pending: list = []
         self.timeout_s = runner.timeout_s
         self.cp_size = _context_parallel_size()
+        self.recorders: dict = {}       # chunk -> its BlockRecorder for this call (split-backward chunks)
 
     def load_input(self, chunk: int, mb: int):
         return ()             # first stages read their data in forward_step_func; set_input_tensor([None])
@@ -104,13 +105,26 @@ class MegatronHost:
         if c not in self.started and hasattr(unwrap(chunk), "set_is_first_microbatch"):
             unwrap(chunk).set_is_first_microbatch()        # FP8 layers recast their weights once per call
         self.started.add(c)
-        with autocast, blocks_of(chunk, capture) as nodes:
+        recording = self._recorder(c, chunk).recording(capture) if capture is not None else contextlib.nullcontext()
+        with autocast, recording as nodes:
             output, loss_func = self.forward_step_func(data, chunk)
         if capture is not None:
             settle_blocks(chunk, capture, nodes, output)
         self.loss_func = loss_func
         self._set_auxiliary_loss_scales(output)
         return output
+
+    def _recorder(self, c: int, chunk) -> BlockRecorder:
+        recorder = self.recorders.get(c)
+        if recorder is None:
+            recorder = self.recorders[c] = BlockRecorder(chunk)
+        return recorder
+
+    def close(self) -> None:
+        """End of the call: the chunks' block hooks come off (the caller's modules are left as they were)."""
+        for recorder in self.recorders.values():
+            recorder.close()
+        self.recorders = {}
 
     def _set_auxiliary_loss_scales(self, output) -> None:
         """MoE and multi-token-prediction losses are scaled as the main loss, as Megatron does after each forward."""

@@ -212,7 +212,10 @@ class ScheduleRunner:
                 stack.enter_context(func())
             trace = train and self.trace_next
             executor = StepExecutor(step)
-            executor.run(program.ops[self.rank], train=train, scale=scale, device=device, trace=trace)
+            try:
+                executor.run(program.ops[self.rank], train=train, scale=scale, device=device, trace=trace)
+            finally:
+                step.close()
             if trace:
                 self.trace_next, self.last_records = False, executor.records
         for feed in feeds.values():

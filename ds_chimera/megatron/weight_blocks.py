@@ -13,39 +13,69 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 
+class BlockRecorder:
+    """Records one chunk's weight-gradient blocks during its forwards: each parameter-owning module's output
+    is one block. The weight-gradient pass then differentiates each module from its own output to its own
+    parameters. Parameters no module owns directly get their gradients with the input gradients (a block
+    without output), and so do parameters that the autograd graph shows used outside their module's recorded
+    call (tied weights, a second call: :func:`settle_blocks`): per-module W would miss those uses.
+
+    The chunk's modules are walked and hooked once, when it is made, and the hooks stay until :meth:`close`:
+    the host makes one per chunk and call, so a Megatron chunk's hundreds of modules are not walked and
+    hooked again on every micro-batch's forward. A hook records only inside :meth:`recording`.
+    """
+
+    def __init__(self, chunk):
+        self.capture = self.nodes = None
+        owners = [(m, list(m.parameters(recurse=False))) for m in chunk.modules()]
+        self.handles = [m.register_forward_hook(self._hook(params)) for m, params in owners
+                        if any(p.requires_grad for p in params)]
+
+    def _hook(self, params: list):
+        def record(module, args, output):
+            capture = self.capture
+            if capture is None:
+                return
+            trainable = [p for p in params if p.requires_grad]
+            # graph outputs only: a parameter handed back (Megatron's skip_bias_add bias) is not one
+            leaves = (output,) if isinstance(output, torch.Tensor) else tree_leaves(output)
+            outs = tuple(t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None)
+            if outs:
+                capture.append((outs, trainable, tuple(t._version for t in outs)))
+            else:
+                capture.append((None, trainable))
+            self.nodes.append(tuple(t.grad_fn for t in outs))
+        return record
+
+    @contextlib.contextmanager
+    def recording(self, capture: list):
+        """Record the blocks of the forward run inside into ``capture``; yields the per-block grad_fns
+        :func:`settle_blocks` takes."""
+        self.capture, self.nodes = capture, []
+        try:
+            yield self.nodes
+        finally:
+            self.capture = self.nodes = None
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
 @contextlib.contextmanager
 def blocks_of(chunk, capture):
-    """For a split backward: record each parameter-owning module's output as one block.
-
-    The weight-gradient pass then differentiates each module from its own output to its
-    own parameters. Parameters no module owns directly get their gradients with the input
-    gradients (a block without output), and so do parameters that the autograd graph shows
-    used outside their module's recorded call (tied weights, a second call): per-module W
-    would miss those uses.
-    """
+    """For one split-backward forward of ``chunk``: :class:`BlockRecorder`'s blocks, hooked for this forward
+    only (nothing is recorded where ``capture`` is None)."""
     if capture is None:
         yield None
         return
-    owners = [m for m in chunk.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
-    nodes: list = []          # per capture entry: the grad_fns of its outputs when recorded
-
-    def record(module, args, output):
-        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        # graph outputs only: a parameter handed back (Megatron's skip_bias_add bias) is not one
-        outs = tuple(t for t in tree_leaves(output)
-                     if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None)
-        if outs:
-            capture.append((outs, params, tuple(t._version for t in outs)))
-        else:
-            capture.append((None, params))
-        nodes.append(tuple(t.grad_fn for t in outs))
-
-    handles = [m.register_forward_hook(record) for m in owners]
+    recorder = BlockRecorder(chunk)
     try:
-        yield nodes
+        with recorder.recording(capture) as nodes:
+            yield nodes
     finally:
-        for handle in handles:
-            handle.remove()
+        recorder.close()
 
 
 def settle_blocks(chunk, capture: list, nodes: list, output) -> None:

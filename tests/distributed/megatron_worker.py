@@ -134,11 +134,14 @@ def run_case(schedule, options, pp, loss_form, rank, world, grads="grad"):
     if grads == "main_grad":
         keep_grads_in_main_grad(chunks)
     batches = [micro_batch(dp_rank, mb) for mb in range(N)]
+    hooks = lambda: sum(len(m._forward_hooks) for chunk in chunks for m in chunk.modules())     # noqa: E731
+    hooks_before = hooks()
     losses = fb(forward_step_func=forward_step_for(loss_form), data_iterator=iter(batches), model=chunks,
                 num_microbatches=N, seq_length=SEQ, micro_batch_size=MBS)
     with torch.no_grad():
         eval_losses = fb(forward_step_func=forward_step_for(loss_form), data_iterator=iter(batches), model=chunks,
                          num_microbatches=N, seq_length=SEQ, micro_batch_size=MBS, forward_only=True)
+    hooks_added = hooks() - hooks_before      # a split backward's block hooks come off when the call ends
 
     # the reference: one whole GPTModel with every stage's weights, trained in this process
     per_stage = LAYERS // total
@@ -199,7 +202,7 @@ def run_case(schedule, options, pp, loss_form, rank, world, grads="grad"):
             "losses": len(got), "eval_losses": len(got_eval), "dict_diff": dict_diff,
             "eval_dict_diff": eval_dict_diff, "own_dicts": len(own), "loss_form": loss_form,
             "divided_in_place": bool(got) and abs(got[0] - ref_losses[0] / N) <= 1e-6,
-            "finalize_calls": len(calls)}
+            "finalize_calls": len(calls), "hooks_added": hooks_added}
 
 
 def run_auto(out_dir: str, rank: int, world: int) -> dict:
