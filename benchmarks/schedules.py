@@ -27,6 +27,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -64,8 +65,6 @@ def wanted(args, text: str) -> bool:
 
 
 def worker(args):
-    import torch.distributed as dist
-
     import ds_chimera  # noqa: F401
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
@@ -79,7 +78,7 @@ def worker(args):
     for ranks in pair_groups:
         pair_groups[ranks] = dist.new_group(list(ranks))      # collective: every rank, same order
 
-    def measure_costs(when: str) -> dict:
+    def measure_costs(when: str, megatron: bool) -> dict:
         """The costs the simulations use, measured now, apart from any step."""
         latency = p2p_latency(dist, torch, rank)
         waiting = p2p_waiting_latency(dist, torch, rank, idle_s=layer_s)
@@ -98,6 +97,7 @@ def worker(args):
             layer_s, layer_s, layer_s))], dtype=torch.float64)
         dist.all_reduce(dispatch)
         warm_dispatch_s, dispatch_s = (dispatch / world).tolist()
+        megatron_dispatch_s = megatron_dispatch(world, rank, layer_s) if megatron else 0.0
         if rank == 0:
             print(f"  measured {when}: one-way p2p latency {latency * 1e3:.2f} ms ping-pong, {waiting * 1e3:.2f} ms to "
                   f"a rank that has waited {layer_s * 1e3:.0f} ms; P2P host time per message: send "
@@ -107,11 +107,13 @@ def worker(args):
                   f"{world_post * 1e3:.3f} ms; timed-layer costs per rank share: F {f_s * 1e3:.2f} ms, "
                   f"I {i_s * 1e3:.2f} ms, W {w_s * 1e3:.2f} ms (nominal {COST_S * 1e3:.0f} each); the runtime's "
                   f"host time per compute action {dispatch_s * 1e3:.3f} ms around the timed layers "
-                  f"({warm_dispatch_s * 1e3:.3f} ms around near-free ones); the loss after the last stage's forward "
+                  f"({warm_dispatch_s * 1e3:.3f} ms around near-free ones; {megatron_dispatch_s * 1e3:.3f} ms through the "
+                  f"Megatron contract); the loss after the last stage's forward "
                   + ", ".join(f"{seconds * 1e3:.3f} ms ({runtime})" for runtime, seconds in losses.items()), flush=True)
         return {"latency": latency, "waiting": waiting, "send": send_s, "recv": recv_s, "f": f_s, "i": i_s, "w": w_s,
                 "allreduce_2": pair_s, f"allreduce_{world}": world_s, "sync_post_2": pair_post,
-                f"sync_post_{world}": world_post, "dispatch": dispatch_s, "warm_dispatch": warm_dispatch_s,
+                f"sync_post_{world}": world_post, "dispatch_ds_chimera": dispatch_s, "warm_dispatch": warm_dispatch_s,
+                "dispatch_ds_chimera.megatron": megatron_dispatch_s,
                 **{f"loss_{runtime}": seconds for runtime, seconds in losses.items()}}
 
     def data(n):
@@ -159,9 +161,10 @@ def worker(args):
             entries.append((runtime, name, step, None))
         if rank == 0:
             print(f"  timing {len(entries)} rows at N={n}: {args.repeats} rounds, the rows taking turns", flush=True)
-        before = measure_costs(f"before the N={n} rows")
+        megatron = any(entry[0] == "ds_chimera.megatron" for entry in entries)
+        before = measure_costs(f"before the N={n} rows", megatron)
         medians = median_steps_in_turn(dist, [entry[2] for entry in entries], args.repeats)
-        after = measure_costs(f"after the N={n} rows")
+        after = measure_costs(f"after the N={n} rows", megatron)
         # the host's load drifts: the simulations use the mean of the costs measured around the rows
         cost = {key: (before[key] + after[key]) / 2 for key in before}
         calibrated_costs = Costs(fwd=cost["f"], bwd=cost["i"] + cost["w"], wgrad=cost["w"], comm=cost["latency"])
@@ -172,7 +175,7 @@ def worker(args):
             measured = 2 if size == 2 else world
             sync = {name: cost[f"{name}_{measured}"] if size > 1 else 0.0 for name in ("allreduce", "sync_post")}
             costs = Costs(fwd=cost["f"], bwd=cost["i"] + cost["w"], wgrad=cost["w"], comm=cost["waiting"],
-                          send=cost["send"], recv=cost["recv"], dispatch=cost["dispatch"], **sync)
+                          send=cost["send"], recv=cost["recv"], dispatch=cost[f"dispatch_{runtime}"], **sync)
             return costs, with_loss(costs, program.placement, cost[f"loss_{runtime}"])
         for (runtime, name, _, program), median in zip(entries, medians):
             row = {"runtime": runtime, "schedule": name, "N": n, "step_s": median, "vs_ideal": median / ideal}
@@ -189,7 +192,7 @@ def worker(args):
                         "sim_full_vs_ideal": sim_full / ideal, "measured_vs_sim_full": median / sim_full,
                         "latency_s": cost["latency"], "waiting_latency_s": cost["waiting"], "send_s": cost["send"],
                         "recv_s": cost["recv"], "allreduce_s": program_full_costs.allreduce,
-                        "sync_post_s": program_full_costs.sync_post, "dispatch_s": cost["dispatch"],
+                        "sync_post_s": program_full_costs.sync_post, "dispatch_s": cost[f"dispatch_{runtime}"],
                         "loss_s": cost[f"loss_{runtime}"], "layer_costs_s": [cost["f"], cost["i"], cost["w"]]})
             rows.append(row)
             if rank == 0:
@@ -257,27 +260,83 @@ def sync_group_size(program) -> int:
     return max((len(set(op.ranks)) for ops in program.ops for op in ops if type(op) is SyncStart), default=1)
 
 
-def megatron_contract_step(name, options, n, specs, world, rank, data):
-    """One step through ds_chimera.megatron's forward-backward function on the same timed layers.
-
-    The chunks follow Megatron's model-chunk interface (``set_input_tensor``); the step is
-    the forward-backward call plus the optimizer step, as in Megatron's training loop.
-    """
-    from torch import nn
-
+def megatron_dispatch(world: int, rank: int, layer_s: float, rounds: int = 9) -> float:
+    """The Megatron rows' host time per compute action: what ``runtime.host_cost.measure_dispatch`` measures for
+    the DeepSpeed rows, through the Megatron contract (its host's per-forward work, the forward_step function,
+    its loss bookkeeping): the contract's call on a one-rank zbv program (every rank its own one-rank pipeline,
+    all at once), one timed layer per chunk behind the cost-free entry layer, less the layers' own costs and
+    the loss. Every rank's, the mean."""
     import ds_chimera.megatron as dsm
-    from ds_chimera.schedules.lowering import without_global_clip
+    from ds_chimera.runtime.host_cost import PROGRAM, layer_costs
 
-    class TimedChunk(nn.Module):
-        def __init__(self, layers, stage):
+    from harness import EntryLayer
+
+    name, ranks, n = PROGRAM
+    singles = [dist.new_group([r]) for r in range(world)]          # collective: every rank makes every group
+    collection = type("OneRankPipeline", (), {"pp": singles[rank]})()
+    forward_backward = dsm.get_forward_backward_func(name)
+    placement = forward_backward.config.build_schedule(ranks, n).placement
+    timed = lambda: TimedLayer(layer_s, layer_s, layer_s)      # noqa: E731
+    chunks = []
+    for c in placement.chunks_on(0):
+        stage = placement.chunks[c].stage
+        layers = ([EntryLayer()] if stage == 0 else []) + [timed()]
+        chunk = megatron_chunk(layers, stage)
+        chunk._ds_chimera_stage, chunk._ds_chimera_built_for = stage, (name, {})
+        chunks.append(chunk)
+    batch = random_batches(torch, WIDTH, n)
+    last = placement.num_stages - 1
+
+    def forward_step(data_iterator, model):
+        x, y = next(data_iterator)
+        return model(x), megatron_loss(y) if model.stage == last else None
+
+    def call():
+        forward_backward(forward_step_func=forward_step, data_iterator=iter(batch), model=chunks, num_microbatches=n,
+                         seq_length=1, micro_batch_size=MICRO, pg_collection=collection)
+        for chunk in chunks:
+            chunk.zero_grad(set_to_none=True)
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    own = layer_costs(timed, WIDTH, torch.device("cpu"), rounds)
+    actions = 3 * n * len(chunks)                                 # F, I and W of every micro-batch on each chunk
+    layers = n * len(chunks) * (own["F"] + own["I"] + own["W"]) + n * own["loss"]
+    value = torch.tensor([max(0.0, (statistics.median(times) - layers) / actions)], dtype=torch.float64)
+    dist.all_reduce(value)
+    for group in singles:
+        dist.destroy_process_group(group)
+    return float(value) / world
+
+
+def megatron_chunk(layers, stage):
+    """A model chunk with Megatron's chunk interface (``set_input_tensor``) over ``layers``."""
+    class TimedChunk(torch.nn.Module):
+        def __init__(self):
             super().__init__()
-            self.layers, self.stage, self.input = nn.Sequential(*layers), stage, None
+            self.layers, self.stage, self.input = torch.nn.Sequential(*layers), stage, None
 
         def set_input_tensor(self, tensors):
             self.input = tensors[0]
 
         def forward(self, x):
             return self.layers(self.input if self.input is not None else x)
+    return TimedChunk()
+
+
+def megatron_contract_step(name, options, n, specs, world, rank, data):
+    """One step through ds_chimera.megatron's forward-backward function on the same timed layers.
+
+    The chunks follow Megatron's model-chunk interface (``set_input_tensor``); the step is
+    the forward-backward call plus the optimizer step, as in Megatron's training loop.
+    """
+
+    import ds_chimera.megatron as dsm
+    from ds_chimera.schedules.lowering import without_global_clip
 
     forward_backward = dsm.get_forward_backward_func(name, **options)
     schedule = forward_backward.config.build_schedule(world, n)
@@ -286,7 +345,7 @@ def megatron_contract_step(name, options, n, specs, world, rank, data):
     chunks = []
     for c in placement.chunks_on(rank):
         stage = placement.chunks[c].stage
-        chunk = TimedChunk(stage_layers(specs, stage, placement.num_stages), stage)
+        chunk = megatron_chunk(stage_layers(specs, stage, placement.num_stages), stage)
         # the tags build_model_chunks puts on the chunks it builds (these are not a Megatron provider's)
         chunk._ds_chimera_stage, chunk._ds_chimera_built_for = stage, (name, dict(options))
         chunks.append(chunk)

@@ -91,7 +91,7 @@ class _OneRank:
                 p.grad = None
 
 
-def _layer_costs(make_layer, width: int, device, rounds: int) -> dict:
+def layer_costs(make_layer, width: int, device, rounds: int) -> dict:
     """The layer's own forward, input-grad and weight-grad (median seconds), timed as the profiler times a
     layer, and the loss."""
     layer = make_layer().to(device)
@@ -144,6 +144,6 @@ def _measure(device, rounds: int, width: int, make_layer) -> float:
         start = time.perf_counter()
         executor.run(ops, train=True, scale=1.0 / n)
         times.append(time.perf_counter() - start)
-    own = _layer_costs(make_layer, width, device, rounds)
+    own = layer_costs(make_layer, width, device, rounds)
     layers = sum(own.get(kind, own["I"] + own["W"] if kind == "B" else 0.0) for kind in kinds)
     return max(0.0, (statistics.median(times) - layers - losses * own["loss"]) / len(kinds))
