@@ -95,6 +95,7 @@ def layer_costs(make_layer, width: int, device, rounds: int) -> dict:
     """The layer's own forward, input-grad and weight-grad (median seconds), timed as the profiler times a
     layer, and the loss."""
     layer = make_layer().to(device)
+    params = [p for p in layer.parameters() if p.requires_grad]
     times = {"F": [], "I": [], "W": [], "loss": []}
     for _ in range(rounds):
         x = torch.randn(1, width, device=device, requires_grad=True)
@@ -107,7 +108,7 @@ def layer_costs(make_layer, width: int, device, rounds: int) -> dict:
         t0 = time.perf_counter()
         autograd_calls.grad([y], [x], grads, retain_graph=True)
         t1 = time.perf_counter()
-        autograd_calls.grad([y], [layer.weight], grads)
+        autograd_calls.grad([y], params, grads)
         t2 = time.perf_counter()
         del loss
         times["F"].append(mid - start)
