@@ -14,7 +14,9 @@ taking turns: one traced, one not (its median step is the measured one). Printed
 3. the same replay with the runtime's host time per action measured around the model's own layers (a 1x block),
    which sleep, instead of around near-free ones (the planner's: docs/investigations/zero-bubble-host-time.md,
    part 4), every rank at once;
-4. the measured step; and each stage's F, I, W in the step over its profiled cost.
+4. the measured step; the last compute action's end, measured (slowest rank) and in the replay: what follows it
+   is the step's end (the last gradient syncs, the optimizer step); and each stage's F, I, W in the step over
+   its profiled cost.
 
 A diagnosis, not a ranking: ``benchmarks/planner.py`` compares the pick with the sweep.
 """
@@ -98,7 +100,7 @@ def worker(args):
     costs = _costs(profile, cand.parts, setting, placement)
     stages = stage_costs(list(profile.layers), cand.parts, setting.checkpoint_interval)
     cold = dataclasses.replace(costs, dispatch=around_s)
-    replays, cold_replays, ratios = [], [], {}
+    replays, cold_replays, ratios, last_ends, replay_last_ends = [], [], {}, [], []
     for step in range(len(records)):
         durations = {}
         for per_rank in gathered:
@@ -106,11 +108,15 @@ def worker(args):
                 durations[(kind, chunk, mb)] = end - start
                 stage = placement.chunks[chunk].stage
                 ratios.setdefault((str(kind), stage), []).append((end - start) / max(stages.of(kind, stage), 1e-12))
-        replays.append(simulate(program, costs, stage_costs=stages, durations=durations).makespan)
+        replay = simulate(program, costs, stage_costs=stages, durations=durations)
+        replays.append(replay.makespan)
+        replay_last_ends.append(max(rec[-1] for rec in replay.records))
+        last_ends.append(max(rec[-1] for per_rank in gathered for rec in per_rank[step]))
         cold_replays.append(simulate(program, cold, stage_costs=stages, durations=durations).makespan)
     result = {"schedule": name, "options": section, "cut": args.cut, "N": n, "predicted_s": cand.step_s,
               "replay_s": statistics.median(replays),
-              "replay_around_layers_s": statistics.median(cold_replays), "dispatch_around_layers_s": around_s, "step_s": medians[1], "traced_step_s": medians[0],
+              "replay_around_layers_s": statistics.median(cold_replays),
+              "last_action_end_s": statistics.median(last_ends), "replay_last_action_end_s": statistics.median(replay_last_ends), "dispatch_around_layers_s": around_s, "step_s": medians[1], "traced_step_s": medians[0],
               "allreduce_s": costs.allreduce, "comm_s": costs.comm, "dispatch_s": costs.dispatch,
               "in_step_over_profiled": {f"{kind}{stage}": statistics.median(v) for (kind, stage), v in ratios.items()}}
     if rank == 0:
@@ -123,6 +129,10 @@ def worker(args):
               f"{around_s * 1e3:.3f} (measured around the model's layers)", flush=True)
         print(f"  planner-breakdown   {medians[1] * 1e3:8.1f}  measured (median; predicted / measured "
               f"{cand.step_s / medians[1]:.3f})", flush=True)
+        print(f"  planner-breakdown   the last compute action ends at {result['last_action_end_s'] * 1e3:.1f} measured, "
+              f"{result['replay_last_action_end_s'] * 1e3:.1f} in the replay: the step's end takes "
+              f"{(medians[1] - result['last_action_end_s']) * 1e3:.1f} measured, "
+              f"{(result['replay_s'] - result['replay_last_action_end_s']) * 1e3:.1f} simulated", flush=True)
         print("  planner-breakdown   in step / profiled: " + ", ".join(
             f"{key} {value:.3f}" for key, value in sorted(result["in_step_over_profiled"].items())), flush=True)
     save_rows(dist, [result], args.out)
