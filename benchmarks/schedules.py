@@ -267,7 +267,7 @@ def megatron_dispatch(world: int, rank: int, layer_s: float, rounds: int = 9) ->
     all at once), one timed layer per chunk behind the cost-free entry layer, less the layers' own costs and
     the loss. Every rank's, the mean."""
     import ds_chimera.megatron as dsm
-    from ds_chimera.runtime.host_cost import PROGRAM, layer_costs
+    from ds_chimera.runtime.host_cost import PROGRAM, time_per_action
 
     from harness import EntryLayer
 
@@ -296,17 +296,7 @@ def megatron_dispatch(world: int, rank: int, layer_s: float, rounds: int = 9) ->
                          seq_length=1, micro_batch_size=MICRO, pg_collection=collection)
         for chunk in chunks:
             chunk.zero_grad(set_to_none=True)
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    own = layer_costs(timed, WIDTH, torch.device("cpu"), rounds)
-    actions = 3 * n * len(chunks)                                 # F, I and W of every micro-batch on each chunk
-    layers = n * len(chunks) * (own["F"] + own["I"] + own["W"]) + n * own["loss"]
-    value = torch.tensor([max(0.0, (statistics.median(times) - layers) / actions)], dtype=torch.float64)
+    value = torch.tensor([time_per_action(call, timed, WIDTH, torch.device("cpu"), rounds)], dtype=torch.float64)
     dist.all_reduce(value)
     for group in singles:
         dist.destroy_process_group(group)

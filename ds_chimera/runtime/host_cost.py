@@ -22,6 +22,7 @@ of a job measures at once, so ranks that share a host's cores are measured shari
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -130,20 +131,35 @@ def measure_dispatch(device="cpu", rounds: int = 30, width: int = 16, layer=None
 
 
 def _measure(device, rounds: int, width: int, make_layer) -> float:
+    schedule, ops = one_rank_program()
+    executor = StepExecutor(_OneRank(schedule, width, device, make_layer))
+    scale = 1.0 / PROGRAM[2]
+    return time_per_action(lambda: executor.run(ops, train=True, scale=scale), make_layer, width, device, rounds)
+
+
+@functools.lru_cache(maxsize=1)
+def one_rank_program() -> tuple:
+    """(schedule, its one rank's lowered ops) of :data:`PROGRAM`."""
     name, ranks, n = PROGRAM
     schedule = registry.get(name)(ranks, n)
-    ops = schedule.lower().ops[0]
-    context = _OneRank(schedule, width, device, make_layer)
-    executor = StepExecutor(context)
+    return schedule, schedule.lower().ops[0]
+
+
+def time_per_action(run, make_layer, width: int, device, rounds: int) -> float:
+    """Seconds per compute action of ``run()``, a call that runs :data:`PROGRAM` once over chunks of one
+    ``make_layer()`` layer each, less the layers' own costs and the loss: the host time per action of whatever
+    runs the program (the runtime's executor here; the Megatron contract in ``benchmarks/schedules.py``).
+    The median over ``rounds`` calls, after three to warm up (allocations, the engine's first calls)."""
+    schedule, ops = one_rank_program()
     kinds = [str(op.kind) for op in ops if type(op) is Action]
     last = {c.index for c in schedule.placement.chunks if schedule.placement.next_chunk(c.index) is None}
     losses = sum(1 for op in ops if type(op) is Action and op.kind == FORWARD and op.chunk in last)
-    for _ in range(3):                  # warm-up: allocations, the engine's first calls
-        executor.run(ops, train=True, scale=1.0 / n)
+    for _ in range(3):
+        run()
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
-        executor.run(ops, train=True, scale=1.0 / n)
+        run()
         times.append(time.perf_counter() - start)
     own = layer_costs(make_layer, width, device, rounds)
     layers = sum(own.get(kind, own["I"] + own["W"] if kind == "B" else 0.0) for kind in kinds)
