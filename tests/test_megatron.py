@@ -327,7 +327,7 @@ class _TiedLM(__import__("torch").nn.Module):
 def test_split_backward_of_captured_blocks_equals_a_full_backward(call_twice):
     """I then W over forward-hook blocks gives exactly the gradients of one backward, tied weights included."""
     import torch
-    from ds_chimera.megatron.weight_blocks import blocks_of, settle_blocks
+    from ds_chimera.megatron.weight_blocks import BlockRecorder, settle_blocks
     from ds_chimera.runtime.executor import split_input_grad
     model = _TiedLM(call_twice)
     ids = torch.tensor([[1, 4, 7], [2, 9, 3]])
@@ -335,9 +335,10 @@ def test_split_backward_of_captured_blocks_equals_a_full_backward(call_twice):
     model(ids).backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    capture = []
-    with blocks_of(model, capture) as nodes:
+    capture, recorder = [], BlockRecorder(model)
+    with recorder.recording(capture) as nodes:
         out = model(ids)
+    recorder.close()
     settle_blocks(model, capture, nodes, out)
     work = split_input_grad([out], None, [], capture)
     deferred = {id(p) for _, _, params in work for p in params}

@@ -1,5 +1,6 @@
 """What recording a split backward's weight-gradient blocks costs a Megatron chunk's forward, hooked once per call
-(``weight_blocks.BlockRecorder``, what the host does) or once per forward (``weight_blocks.blocks_of``).
+(one ``weight_blocks.BlockRecorder`` per chunk and call, what the host does) or once per forward (a recorder made
+and closed around each forward, what the host did before).
 
     python tools/block_hooks.py                 # 8 transformer-like layers, 97 modules
     python tools/block_hooks.py --layers 2
@@ -14,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-from ds_chimera.megatron.weight_blocks import BlockRecorder, blocks_of
+from ds_chimera.megatron.weight_blocks import BlockRecorder
 
 
 class Layer(nn.Module):
@@ -57,8 +58,10 @@ def main():
             chunk(x)
 
     def hooked_per_forward():
-        with blocks_of(chunk, []):
+        each = BlockRecorder(chunk)
+        with each.recording([]):
             chunk(x)
+        each.close()
     once = median_us(hooked_once)
     per_forward = median_us(hooked_per_forward)
     recorder.close()

@@ -63,21 +63,6 @@ class BlockRecorder:
         self.handles = []
 
 
-@contextlib.contextmanager
-def blocks_of(chunk, capture):
-    """For one split-backward forward of ``chunk``: :class:`BlockRecorder`'s blocks, hooked for this forward
-    only (nothing is recorded where ``capture`` is None)."""
-    if capture is None:
-        yield None
-        return
-    recorder = BlockRecorder(chunk)
-    try:
-        with recorder.recording(capture) as nodes:
-            yield nodes
-    finally:
-        recorder.close()
-
-
 def settle_blocks(chunk, capture: list, nodes: list, output) -> None:
     """Move every parameter per-module W would get wrong to the input-gradient pass.
 
