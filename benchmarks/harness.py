@@ -43,6 +43,17 @@ def benchmark_parser(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
+def json_object(text: str) -> dict:
+    """An argparse ``type``: a JSON object given on the command line (a schedule's options)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def launch(script: str, worker_args: list, out: str, keep, nproc: int = 4):
     """Run ``script --worker *worker_args --out out`` on ``nproc`` gloo ranks.
 

@@ -30,7 +30,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
-from harness import MICRO, WIDTH, launch, median_steps_in_turn, report, save_rows, share_one_device  # noqa: E402
+from harness import (MICRO, WIDTH, json_object, launch, median_steps_in_turn, report, save_rows,  # noqa: E402
+                     share_one_device)
 
 
 def worker(args):
@@ -50,7 +51,7 @@ def worker(args):
     from ds_chimera.schedules import registry
     from ds_chimera.sim import simulate
 
-    section = json.loads(args.section)
+    section = dict(args.section)
     name = section.pop("schedule")
     n = args.micro_batches
     share_one_device()
@@ -140,7 +141,7 @@ def worker(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--section", default='{"schedule": "chimera", "pipelines": 2, "order": "zero-bubble"}',
+    parser.add_argument("--section", type=json_object, default='{"schedule": "chimera", "pipelines": 2, "order": "zero-bubble"}',
                         help="the candidate's schedule and options as JSON (default: %(default)s)")
     parser.add_argument("--cut", default="uniform", choices=("time", "parameters", "uniform"))
     parser.add_argument("--micro-batches", type=int, default=8)
@@ -148,15 +149,11 @@ def main():
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "planner_breakdown.json"))
     args = parser.parse_args()
-    try:
-        section = json.loads(args.section)
-    except json.JSONDecodeError as exc:
-        parser.error(f"--section must be a JSON object, got {args.section!r}: {exc}")
-    if not isinstance(section, dict) or "schedule" not in section:
-        parser.error(f"--section must be a JSON object with a \"schedule\", got {args.section!r}")
+    if "schedule" not in args.section:
+        parser.error(f"--section must be a JSON object with a \"schedule\", got {json.dumps(args.section)}")
     if args.worker:
         return worker(args)
-    return report(launch(__file__, ["--section", args.section, "--cut", args.cut, "--micro-batches",
+    return report(launch(__file__, ["--section", json.dumps(args.section), "--cut", args.cut, "--micro-batches",
                                     args.micro_batches, "--repeats", args.repeats], args.out, ("  planner-breakdown",)))
 
 

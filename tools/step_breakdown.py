@@ -39,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BENCHMARKS = os.path.join(os.path.dirname(HERE), "benchmarks")   # the shared helpers: benchmarks/harness.py
 sys.path.insert(0, BENCHMARKS)
 from harness import (COST_S, LAYERS, WIDTH, TimedLayer, calibrate, ds_config, init_timed_model,  # noqa: E402
-                     launch, median_steps_in_turn, p2p_waiting_latency, random_batches, report, save_rows,
+                     json_object, launch, median_steps_in_turn, p2p_waiting_latency, random_batches, report, save_rows,
                      timed_engine)
 
 
@@ -68,7 +68,7 @@ def worker(args):
     from ds_chimera.sim import Costs, simulate
 
     rank, world, layer_s, specs = init_timed_model()
-    n, options = args.micro_batches, json.loads(args.options)
+    n, options = args.micro_batches, args.options
     ideal = n * 3 * COST_S
     trace_dir = tempfile.mkdtemp(prefix="ds_chimera_breakdown_") if rank == 0 else None
     box = [trace_dir]
@@ -157,7 +157,7 @@ def worker(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default="chimera")
-    parser.add_argument("--options", default='{"order": "zero-bubble", "pipelines": 2}',
+    parser.add_argument("--options", type=json_object, default='{"order": "zero-bubble", "pipelines": 2}',
                         help="the schedule's options as JSON (default: %(default)s; '{}' for none)")
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
@@ -166,20 +166,14 @@ def main():
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "step_breakdown.json"))
     args = parser.parse_args()
-    try:
-        options = json.loads(args.options)
-    except json.JSONDecodeError as exc:
-        parser.error(f"--options must be a JSON object, got {args.options!r}: {exc}")
-    if not isinstance(options, dict):
-        parser.error(f"--options must be a JSON object, got {args.options!r}")
     if args.worker:
         return worker(args)
     from ds_chimera.schedules import build
     try:
-        build(args.schedule, 4, args.micro_batches, **options)    # bad names and options fail here, before launching
+        build(args.schedule, 4, args.micro_batches, **args.options)    # bad names and options fail here, before launching
     except ValueError as exc:
         parser.error(str(exc))
-    return report(launch(__file__, ["--schedule", args.schedule, "--options", args.options, "--micro-batches",
+    return report(launch(__file__, ["--schedule", args.schedule, "--options", json.dumps(args.options), "--micro-batches",
                                     args.micro_batches, "--repeats", args.repeats]
                                    + (["--dump", os.path.abspath(args.dump)] if args.dump else []), args.out, ("  breakdown",)))
 
