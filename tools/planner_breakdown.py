@@ -12,8 +12,8 @@ taking turns: one traced, one not (its median step is the measured one). Printed
 2. the candidate's program replayed on the traced steps' own op durations with the same costs: what the ops
    costing what they cost in the step (not what the profile timed alone) would have predicted;
 3. the same replay with the runtime's host time per action measured around the model's own layers (a 1x block),
-   which sleep, instead of around near-free ones (the planner's: docs/investigations/zero-bubble-host-time.md,
-   part 4), every rank at once;
+   every rank at once, instead of the planner's (around layers shaped as the profile's mean layer: it waits,
+   then computes; docs/investigations/zero-bubble-host-time.md, parts 4 and 6);
 4. the measured step; the last compute action's end, measured (slowest rank) and in the replay: what follows it
    is the step's end (the last gradient syncs, the optimizer step); and each stage's F, I, W in the step over
    its profiled cost.
@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -123,7 +124,8 @@ def worker(args):
     if rank == 0:
         print(f"  planner-breakdown {name} {json.dumps(section)} cut={args.cut} N={n} (ms)", flush=True)
         print(f"  planner-breakdown   {cand.step_s * 1e3:8.1f}  predicted (message {costs.comm * 1e3:.3f}, a stage's "
-              f"gradient sync {costs.allreduce * 1e3:.3f}, host time per action {costs.dispatch * 1e3:.3f})", flush=True)
+              f"gradient sync {costs.allreduce * 1e3:.3f}, host time per action {costs.dispatch * 1e3:.3f}, optimizer step "
+              f"per stage {costs.step * 1e3:.3f})", flush=True)
         print(f"  planner-breakdown   {result['replay_s'] * 1e3:8.1f}  replayed on the ops' in-step durations, the same "
               f"costs otherwise", flush=True)
         print(f"  planner-breakdown   {result['replay_around_layers_s'] * 1e3:8.1f}  the same, host time per action "
@@ -136,6 +138,8 @@ def worker(args):
               f"{(result['replay_s'] - result['replay_last_action_end_s']) * 1e3:.1f} simulated", flush=True)
         print("  planner-breakdown   in step / profiled: " + ", ".join(
             f"{key} {value:.3f}" for key, value in sorted(result["in_step_over_profiled"].items())), flush=True)
+    if rank == 0:
+        shutil.rmtree(box[0], ignore_errors=True)
     save_rows(dist, [result], args.out)
 
 

@@ -19,6 +19,7 @@ from the same profile. The activation budget defaults to the reference schedule'
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -227,8 +228,7 @@ class AutoRunner:
                               big_bytes=max(profile.layers[0].output_bytes, 1024),
                               reduce_bytes=max(max(layer.param_bytes for layer in profile.layers), 1024),
                               idle_s=min(max(stage_fwd, 1e-3), 0.05), same_host=_local_ranks() >= 2)
-        return Profile(profile.layers, links, profile.micro_batch_size, profile.device,
-                       profile.optimizer_state_bytes_per_param, profile.meta)
+        return dataclasses.replace(profile, links=links)
 
     # ---- plan ------------------------------------------------------------------------------
     def _plan(self, size: int, n: int) -> PipelineConfig:

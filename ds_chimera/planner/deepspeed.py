@@ -13,6 +13,8 @@ The result is exactly what naming that section by hand runs (``plan_file`` write
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 
@@ -21,6 +23,7 @@ import torch
 from ..logs import get_logger
 from ..named_files import load_json, read_named_file
 from .memory import GIB
+from .optimizer_cost import measured_step_s
 from .profile import Profile, profile_layers
 from .search import Budget, Setting, plan
 
@@ -38,7 +41,8 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
     ``training_data`` (only rank 0's is used; other ranks may pass :data:`ON_RANK0`). ``defer``: with no data
     to profile on (and no plan or profile file), return None instead of raising: the caller plans at the first
     ``train_batch`` (:mod:`.deferred`). ``host_cost``: the runtime's measurement of its host time per compute
-    action, taken with the links (:func:`.links.measure_links`) on CPU ranks."""
+    action (``runtime.host_cost.measure_dispatch``), taken with the links (:func:`.links.measure_links`) on CPU
+    ranks, around layers shaped as the model's where they leave the core idle (:func:`_around_layers`)."""
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
@@ -75,10 +79,11 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
             if rank == 0:
                 log.info("schedule auto: profiling %d layers on %s%s", len(module._layer_specs), device,
                          f" with tensor ranks {profilers}" if len(profilers) > 1 else "")
-            return profile_module(module, training_data, collate_fn, pipeline, dp, device,
-                                  _optimizer_state_bytes(config, optimizer), micro_batch,
-                                  agree=_agree_in_tensor_group(grid, device) if len(profilers) > 1 else None
-                                  ).to_json()
+            measured = profile_module(module, training_data, collate_fn, pipeline, dp, device,
+                                      _optimizer_state_bytes(config, optimizer), micro_batch,
+                                      agree=_agree_in_tensor_group(grid, device) if len(profilers) > 1 else None)
+            step_s = measured_step_s(config, optimizer, [layer.params for layer in measured.layers], stages, device)
+            return dataclasses.replace(measured, optimizer_step_s=step_s).to_json()
         profile = Profile.from_json(_on_rank0_for_all(profiled, "profiling the layers", dist, also=profilers))
     # the first data-parallel copy's (and tensor rank's) first two stages, the same two ranks on every rank: the
     # pair's group is created by every rank with the same members (each copy naming its own pair made groups
@@ -94,9 +99,8 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
                           pipe_group=grid.get_pipe_parallel_group() if dp == 1 else None,
                           # on an accelerator the host runs ahead of the kernels it launches: its time per action
                           # is on the step's path only when kernels are short, which is not modelled (no GPU lent)
-                          host_cost=host_cost if device.type == "cpu" else None)
-    profile = Profile(profile.layers, links, profile.micro_batch_size, profile.device,
-                      profile.optimizer_state_bytes_per_param, profile.meta)
+                          host_cost=_around_layers(host_cost, profile.layers) if device.type == "cpu" else None)
+    profile = dataclasses.replace(profile, links=links)
     if rank == 0 and profile_file and not os.path.exists(profile_file):
         profile.save(profile_file)
     setting = Setting(stages=stages, micro_batches=micro_batches, data_parallel=dp, precision=pipeline.precision,
@@ -117,6 +121,23 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
         return chosen
     decided = _on_rank0_for_all(planned, "planning", dist)
     return pipeline.with_plan(decided["pipeline"], decided)      # with its predicted step and peak memory
+
+
+IDLE_FLOOR_S = 1e-4       # layers idling less than this leave the core warm: the host time is measured as is
+IDLE_CAP_S, BUSY_CAP_S = 0.01, 0.002     # the core is as cold after 10 ms idle as after more; bounds the timing
+
+
+def _around_layers(host_cost, layers):
+    """``host_cost`` measured around layers that wait and compute as the model's mean layer does (the profile's
+    ``fwd_idle`` and the rest of ``fwd``): after a wait the runtime's code runs on a cold core
+    (``runtime.host_cost``). Layers that keep the core busy: around near-free ones, as before."""
+    if host_cost is None or not layers:
+        return host_cost
+    idle = sum(layer.fwd_idle for layer in layers) / len(layers)
+    busy = sum(layer.fwd - layer.fwd_idle for layer in layers) / len(layers)
+    if idle < IDLE_FLOOR_S:
+        return host_cost
+    return functools.partial(host_cost, rounds=9, idle_s=min(idle, IDLE_CAP_S), busy_s=min(max(busy, 0.0), BUSY_CAP_S))
 
 
 def _on_rank0_for_all(work, what: str, dist, also=(0,)):

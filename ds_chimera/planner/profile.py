@@ -36,6 +36,7 @@ class LayerCost:
     output_bytes: int           # the layer's output: a message if a stage ends after it
     param_bytes: int            # trainable parameters
     params: int = 0
+    fwd_idle: float = 0.0       # of ``fwd``, the time the process used no CPU (a layer that waits); 0 on GPU
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class Profile:
     device: str = "cpu"
     optimizer_state_bytes_per_param: int = 8     # Adam's two fp32 moments; SGD with momentum 4, plain SGD 0
     meta: dict = field(default_factory=dict)
+    optimizer_step_s: float = 0.0                # one stage's worth of weights stepped (optimizer_cost.py); 0: unpriced
 
     @property
     def num_layers(self) -> int:
@@ -84,7 +86,8 @@ class Profile:
     def to_json(self) -> dict:
         return {"version": PROFILE_VERSION, "layers": [asdict(layer) for layer in self.layers],
                 "links": asdict(self.links), "micro_batch_size": self.micro_batch_size, "device": self.device,
-                "optimizer_state_bytes_per_param": self.optimizer_state_bytes_per_param, "meta": self.meta}
+                "optimizer_state_bytes_per_param": self.optimizer_state_bytes_per_param, "meta": self.meta,
+                "optimizer_step_s": self.optimizer_step_s}
 
     @classmethod
     def from_json(cls, data: dict) -> "Profile":
@@ -96,7 +99,7 @@ class Profile:
             raise ValueError("the profile has no layers")
         return cls(layers, Links(**data.get("links", {})), int(data.get("micro_batch_size", 1)),
                    str(data.get("device", "cpu")), int(data.get("optimizer_state_bytes_per_param", 8)),
-                   dict(data.get("meta", {})))
+                   dict(data.get("meta", {})), float(data.get("optimizer_step_s", 0.0)))
 
     def save(self, path: str) -> None:
         from ..atomic import write_json_atomic
@@ -240,6 +243,7 @@ def profile_layer(func, x, name: str, device: torch.device, loss=None, **reps) -
     with torch.no_grad():
         result = func(_fresh(x))
     fwd = stable_median(lambda: clock.time(forward), **reps)
+    idle = _idle_time(forward) if device.type == "cpu" else 0.0
     trainable = bool(params) or bool(inputs)
 
     def full_backward():
@@ -266,9 +270,22 @@ def profile_layer(func, x, name: str, device: torch.device, loss=None, **reps) -
     wgrad = min(bwd, stable_median(weight_grad, **reps)) if params and inputs else (bwd if params else 0.0)
     cost = LayerCost(name=name, fwd=fwd, bwd=bwd, wgrad=wgrad, activation_bytes=int(saved),
                      output_bytes=_nbytes(result), param_bytes=sum(p.numel() * p.element_size() for p in params),
-                     params=sum(p.numel() for p in params))
+                     params=sum(p.numel() for p in params), fwd_idle=min(idle, fwd))
     del out
     return cost, _detached(result)
+
+
+def _idle_time(forward, reps: int = 3) -> float:
+    """Median seconds of ``forward()`` in which this process used no CPU (wall time less CPU time): a layer that
+    leaves the core idle (it waits) makes the runtime's code after it run on a cold core, which the host time
+    per action is then measured around (``runtime.host_cost``). Compute on several threads counts once per
+    thread, so a parallel layer is not idle."""
+    samples = []
+    for _ in range(reps):
+        wall, cpu = time.perf_counter(), time.process_time()
+        forward()
+        samples.append(max(0.0, (time.perf_counter() - wall) - (time.process_time() - cpu)))
+    return statistics.median(samples)
 
 
 def profile_layers(factories: list, first_input, device, loss=None, **reps) -> list:

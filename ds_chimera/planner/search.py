@@ -180,7 +180,8 @@ def enumerate_candidates(setting: Setting, num_layers: int) -> list:
 def _costs(profile: Profile, parts: list, setting: Setting, placement) -> Costs:
     """The simulator's non-compute costs on this profile: one message (the mean boundary size) and one
     stage's gradient all-reduce (the mean stage size, over its replicas and data-parallel copies), with the
-    runtime's host time per message and per compute action."""
+    runtime's host time per message and per compute action; and one stage's optimizer step (under ZeRO each
+    data-parallel rank steps its 1/DP share)."""
     links = profile.links
     outs = boundary_bytes(profile.layers, parts)
     grads = stage_sums(profile.layers, parts, "param_bytes")
@@ -189,7 +190,8 @@ def _costs(profile: Profile, parts: list, setting: Setting, placement) -> Costs:
     members = max(len(placement.stage_group(s)) for s in range(placement.num_stages)) * setting.data_parallel
     return Costs(fwd=1.0, bwd=1.0, wgrad=0.0, comm=links.message_s(mean_out),
                  allreduce=links.allreduce_s(mean_grad, members), send=links.send_s, recv=links.recv_s,
-                 sync_post=links.sync_post_s if members > 1 else 0.0, dispatch=links.dispatch_s)
+                 sync_post=links.sync_post_s if members > 1 else 0.0, dispatch=links.dispatch_s,
+                 step=profile.optimizer_step_s / (setting.data_parallel if setting.zero else 1))
 
 
 def _compute_bound(placement, stage_time: list) -> float:
@@ -303,8 +305,9 @@ def plan(profile: Profile, setting: Setting, budget: Budget = Budget(), cuts=CUT
             best = cand
     out = PlanResult(best, candidates, setting, budget, time.perf_counter() - begin, simulated)
     if best is not None:
-        out.notes.append("step times are the simulator's on the measured costs, without the optimizer step "
-                         "(the same for every candidate on the same weights)")
+        out.notes.append("step times are the simulator's on the measured costs" + (
+            f", with the optimizer step ({_fmt_s(profile.optimizer_step_s)} per stage's weights)"
+            if profile.optimizer_step_s else ", without the optimizer step (not measured in this profile)"))
     return out
 
 

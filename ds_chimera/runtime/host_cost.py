@@ -51,6 +51,44 @@ class _NearFree(nn.Module):
         return x * self.weight
 
 
+def _wait_then_work(idle_s: float, busy_s: float) -> None:
+    """Leave the core idle ``idle_s``, then keep it busy ``busy_s``: a layer's pattern of waiting and computing."""
+    if idle_s > 0:
+        time.sleep(idle_s)
+    end = time.perf_counter() + busy_s
+    while time.perf_counter() < end:
+        pass
+
+
+class _ShapedPath(torch.autograd.Function):
+    """The identity whose backward waits, then computes (``_wait_then_work``)."""
+
+    @staticmethod
+    def forward(ctx, x, idle_s, busy_s):
+        ctx.shape = (idle_s, busy_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _wait_then_work(*ctx.shape)
+        return grad, None, None
+
+
+class ShapedLayer(nn.Module):
+    """A layer whose forward, input-grad and weight-grad each leave the core idle ``idle_s``, then compute
+    ``busy_s``: the model's layers as the core sees them (the profile's ``fwd_idle`` and the rest of ``fwd``),
+    for the host time per action around them."""
+
+    def __init__(self, idle_s: float, busy_s: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+        self.shape = (idle_s, busy_s)
+
+    def forward(self, x):
+        _wait_then_work(*self.shape)
+        return _ShapedPath.apply(x, *self.shape) + _ShapedPath.apply(self.weight, *self.shape) * 0.0
+
+
 class _OneRank:
     """The execution context of the one-rank program: the runtime's chunk class, a sum as the loss, no syncs, and
     the in-process transport (a one-rank program has no messages). The input needs a gradient, as a
@@ -119,13 +157,19 @@ def layer_costs(make_layer, width: int, device, rounds: int) -> dict:
     return {kind: statistics.median(values) for kind, values in times.items()}
 
 
-def measure_dispatch(device="cpu", rounds: int = 30, width: int = 16, layer=None) -> float:
+def measure_dispatch(device="cpu", rounds: int = 30, width: int = 16, layer=None, idle_s: float = 0.0,
+                     busy_s: float = 0.0) -> float:
     """Seconds of the runtime's host time per compute action on this process (see the module docstring):
     the median over ``rounds`` runs of the one-rank program, per action, less the layer's own costs.
 
     ``layer``: a function making the layer each chunk holds (a module mapping a (1, ``width``) tensor to one of
-    the same shape, with a parameter and an input gradient); near-free by default.
+    the same shape, with a parameter and an input gradient); near-free by default. ``idle_s`` (> 0, no
+    ``layer``): around :class:`ShapedLayer` ``(idle_s, busy_s)`` instead, a layer that waits as the model's do
+    (the planner passes the profile's mean layer: ``fwd_idle`` and the rest of ``fwd``).
     The random state is left as it was: training after planning starts as it would have."""
+    if layer is None and idle_s > 0:
+        def layer():
+            return ShapedLayer(idle_s, busy_s)
     with torch.random.fork_rng(devices=[]):
         return _measure(device, rounds, width, layer or _NearFree)
 
