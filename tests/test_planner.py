@@ -386,3 +386,13 @@ def test_fp16_model_states_count_the_fp32_masters():
     assert state_bytes_per_param("fp16", 1, 4, 8) == 2 + 6 + 12 / 4
     assert state_bytes_per_param("fp32", 0, 1, 8) == 16
 
+
+
+def test_the_first_layers_input_grad_is_timed_only_where_the_data_needs_one():
+    """The runtime computes no gradient for the data a first stage loads: the profile of data that needs none
+    prices the first layer's backward as its weight-grad alone; the second layer's input does need one."""
+    layers = [SleepingLayer(0.004, 0.010, 0.004), SleepingLayer(0.004, 0.010, 0.004)]
+    profile = profile_sequential(layers, torch.randn(2, 8), loss=lambda out: out.sum())
+    first, second = profile.layers
+    assert first.bwd == pytest.approx(first.wgrad) and first.bwd < 0.008, first       # W's 4 ms, no I
+    assert second.bwd > 0.012 and second.bwd - second.wgrad > 0.008, second            # I's 10 ms and W's 4

@@ -184,6 +184,15 @@ def _detached(value):
     return value
 
 
+def _as_given(value):
+    """``value`` detached, each tensor requiring grad only where it did."""
+    if torch.is_tensor(value):
+        return value.detach().requires_grad_(value.requires_grad)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_as_given(v) for v in value)
+    return value
+
+
 def _trainable_params(func) -> list:
     """The trainable parameters of a layer: a module, or a tied module's ``partial(forward_fn, module)``."""
     module = func.args[0] if hasattr(func, "args") and func.args and isinstance(func.args[0], torch.nn.Module) \
@@ -291,8 +300,11 @@ def _idle_time(forward, reps: int = 3) -> float:
 def profile_layers(factories: list, first_input, device, loss=None, **reps) -> list:
     """Profile a sequence of layers: ``factories`` holds (name, build) pairs, ``build()`` returning the layer's
     callable; each is built just before it is timed and dropped after, so one built layer is alive at a time.
-    ``loss(output)`` closes the last layer. Returns a LayerCost per layer, in order."""
-    costs, x = [], _detached(first_input)
+    ``loss(output)`` closes the last layer. Returns a LayerCost per layer, in order.
+
+    ``first_input`` is taken as given: the runtime computes no gradient for the data a first stage loads, so
+    the first layer's input-grad is timed only where the input requires one (each later layer's input does)."""
+    costs, x = [], _as_given(first_input)
     for index, (name, build) in enumerate(factories):
         last = index == len(factories) - 1
         layer = build()
