@@ -11,7 +11,8 @@ prediction for the same program: with nominal costs, "calibrated" (the layers' m
 and the ping-pong latency) and "full" (also the latency to a rank that has been waiting, the
 runtime's per-message host time, its host time per compute action (the planner's
 ``runtime.host_cost.measure_dispatch``), and the time of a gradient sync over the program's replica
-groups to its last member and the host time of its post, each measured apart from the
+groups from its last member's post and the host time of that post (the planner's
+``planner.links.sync_after_wait``), each measured apart from the
 steps, just before and just after each N's rows; the mean of the two is used). In the same
 invocation it runs DeepSpeed's stock TrainSchedule (1F1B) and DualPipeV engines,
 torch.distributed.pipelining's GPipe, 1F1B, LoopedBFS, Interleaved1F1B, InterleavedZeroBubble, ZBV and DualPipeV
@@ -22,9 +23,7 @@ a burst of load on the shared host hits them alike.
 The last line is a JSON object with every row.
 """
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -43,6 +42,7 @@ OURS = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"chunks": 2}), ("breadth-f
 # the same runtime behind Megatron-Core's forward-backward contract (ds_chimera.megatron)
 MEGATRON = [("1f1b", {}), ("interleaved", {"chunks": 2}), ("chimera", {"order": "merged"}),
             ("chimera", {"order": "zero-bubble"}), ("zb-h1", {}), ("zbv", {})]
+SYNC_NUMEL = 3                # a timed chunk's gradients: one element per layer
 MSE = torch.nn.MSELoss()      # every row's loss (DeepSpeed's loss_fn, the Megatron rows' loss function)
 
 
@@ -68,6 +68,7 @@ def worker(args):
     import ds_chimera  # noqa: F401
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
+    from ds_chimera.planner.links import sync_after_wait
     from ds_chimera.runtime.host_cost import measure_dispatch
     from ds_chimera.sim import Costs, simulate
 
@@ -84,8 +85,9 @@ def worker(args):
         waiting = p2p_waiting_latency(dist, torch, rank, idle_s=layer_s)
         send_s, recv_s, late_recv_s = p2p_host_costs(dist, torch, rank)
         mine = next(ranks for ranks in pair_groups if rank in ranks)
-        pair_s, pair_post = allreduce_time(dist, torch, rank, pair_groups[mine], mine, idle_s=layer_s)
-        world_s, world_post = allreduce_time(dist, torch, rank, None, tuple(range(world)), idle_s=layer_s)
+        # a stage's gradient sync as a step meets it (the planner's links measure it so): a timed chunk's gradients
+        pair_s, pair_post = sync_after_wait(dist, pair_groups[mine], SYNC_NUMEL, layer_s, 30, torch.device("cpu"))
+        world_s, world_post = sync_after_wait(dist, None, SYNC_NUMEL, layer_s, 30, torch.device("cpu"))
         f_s, i_s, w_s = calibrate(torch, TimedLayer, layer_s, LAYERS // world, WIDTH)
         # the last stage's loss after its forward: DeepSpeed's loss_fn, and the Megatron rows' loss function
         target = torch.randn(MICRO, WIDTH)
@@ -204,42 +206,6 @@ def worker(args):
         entries = engine = step = program = None
         release_groups(dist, groups_before)
     save_rows(dist, rows, args.out)
-
-
-def allreduce_time(dist, torch, rank, group, ranks: tuple, idle_s: float, rounds=30) -> tuple:
-    """Median times of a stage's gradient sync over ``ranks`` (the runtime's ``FlatGradAllReduce``
-    on a timed chunk's gradients): (from its last member's post to the moment every member
-    holds the result, the post itself).
-
-    A replica's gradient sync completes only after its last member posts it, and the others
-    are waiting by then; the step ends when the slowest member has the result (the
-    simulator's ``allreduce`` cost). So every member but the last posts and waits; the last
-    one idles ``idle_s`` first, like a rank finishing its last backward, and its post's own
-    time is the simulator's ``sync_post``. Each member stamps its result's arrival
-    (``time.perf_counter``: one clock for the processes of a machine). Ranks outside
-    ``ranks`` only join the barriers and the stamps' reduction.
-    """
-    from ds_chimera.runtime.gradsync import FlatGradAllReduce
-    last = ranks[-1]
-    grads = [torch.zeros(1) for _ in range(3)]         # a timed chunk's gradients: one element per layer
-    times, posts = [], []
-    for _ in range(rounds):
-        dist.barrier()
-        posted = returned = done = 0.0
-        if rank in ranks:
-            if rank == last:
-                time.sleep(idle_s)
-            posted = time.perf_counter()
-            sync = FlatGradAllReduce(grads, group, "the timed gradient sync")
-            returned = time.perf_counter()
-            sync.finish(60.0)
-            done = time.perf_counter()
-        mine = rank == last
-        stamps = torch.tensor([posted if mine else 0.0, returned - posted if mine else 0.0, done], dtype=torch.float64)
-        dist.all_reduce(stamps, op=dist.ReduceOp.MAX)
-        times.append(float(stamps[2] - stamps[0]))
-        posts.append(float(stamps[1]))
-    return statistics.median(times), statistics.median(posts)
 
 
 def with_loss(costs, placement, loss_s: float):

@@ -94,6 +94,31 @@ def test_the_links_carry_the_mean_over_every_rank(tmp_path):
         assert abs(json.loads(out.strip().splitlines()[-1])["dispatch_s"] - 0.0015) < 1e-12    # (1 + 2 ms) / 2
 
 
+SYNC_SCRIPT = r"""
+import json
+import torch, torch.distributed as dist
+from ds_chimera.planner.links import sync_after_wait
+dist.init_process_group("gloo")
+took, post = sync_after_wait(dist, None, 1000, 0.05, 3, torch.device("cpu"))
+print(json.dumps({"took": took, "post": post}))
+dist.destroy_process_group()
+"""
+
+
+def test_a_gradient_sync_is_timed_from_its_last_members_post(tmp_path):
+    """The last member idles 50 ms before it posts, as a rank finishing its last backward; the others wait. The
+    sync's time starts at that post: a few milliseconds on a CPU host, not the 50 ms idle."""
+    script = tmp_path / "sync.py"
+    script.write_text(SYNC_SCRIPT)
+    results, _ = run_ranks([str(script)], 2, {"OMP_NUM_THREADS": "1", "DS_CHIMERA_FAULT_MONITOR": "0"}, timeout_s=120)
+    timed = []
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0, (rank, err[-2000:])
+        timed.append(json.loads(out.strip().splitlines()[-1]))
+    assert timed[0] == timed[1]                  # the group's figure, the same on every member
+    assert 0.0 < timed[0]["post"] <= timed[0]["took"] < 0.04, timed[0]
+
+
 def test_the_planner_prices_it_on_every_compute_action():
     layers = tuple(LayerCost(name=f"l{i}", fwd=0.01, bwd=0.02, wgrad=0.01, activation_bytes=1 << 20,
                              output_bytes=1 << 16, param_bytes=1 << 20) for i in range(8))
@@ -161,7 +186,7 @@ def test_the_planner_measures_around_layers_that_wait_as_the_models_do():
                          fwd_idle=idle)
     assert _around_layers(measure, [layer(0.004, 0.0), layer(0.002, 0.00001)]) is measure   # compute-bound: warm
     shaped = _around_layers(measure, [layer(0.004, 0.003), layer(0.002, 0.001)])
-    assert shaped() == {"rounds": 9, "idle_s": pytest.approx(0.002), "busy_s": pytest.approx(0.001)}
+    assert shaped() == {"rounds": 15, "idle_s": pytest.approx(0.002), "busy_s": pytest.approx(0.001)}
     capped = _around_layers(measure, [layer(0.5, 0.4)])()
     assert capped["idle_s"] == IDLE_CAP_S and capped["busy_s"] == BUSY_CAP_S
     assert _around_layers(None, [layer(0.004, 0.003)]) is None
@@ -170,8 +195,13 @@ def test_the_planner_measures_around_layers_that_wait_as_the_models_do():
 def test_around_a_shaped_layer_its_own_time_is_taken_off():
     """The shaped layer's F, I and W each take its idle and busy time; the host time per action around it is the
     runtime's, a fraction of a millisecond (more than around near-free layers on a host whose cores go cold)."""
-    own = host_cost.layer_costs(lambda: host_cost.ShapedLayer(0.002, 0.0005), 16, "cpu", 5)
+    shape = host_cost.Shape(0.002, 0.0005)
+    own = host_cost.layer_costs(lambda: host_cost.ShapedLayer(shape), 16, "cpu", 5)
     for kind in "FIW":
         assert 0.0024 < own[kind] < 0.006, own
+    assert shape.inside > 3 * 5 * 0.0025                 # its waits, read as they went: F, I and W, five rounds
+    without_waits = host_cost.layer_costs(lambda: host_cost.ShapedLayer(shape), 16, "cpu", 5, clock=shape)
+    for kind in "FIW":
+        assert 0.0 <= without_waits[kind] < 0.001, without_waits      # the layer's own code, not its waits
     around = host_cost.measure_dispatch(rounds=3, idle_s=0.002, busy_s=0.0005)
     assert 0.0 <= around < 1e-3, around

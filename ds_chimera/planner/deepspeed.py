@@ -124,7 +124,7 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
 
 
 IDLE_FLOOR_S = 1e-4       # layers idling less than this leave the core warm: the host time is measured as is
-IDLE_CAP_S, BUSY_CAP_S = 0.01, 0.002     # the core is as cold after 10 ms idle as after more; bounds the timing
+IDLE_CAP_S, BUSY_CAP_S = 0.003, 0.002    # the core is about as cold after 3 ms idle as after 10; bounds the timing
 
 
 def _around_layers(host_cost, layers):
@@ -137,7 +137,7 @@ def _around_layers(host_cost, layers):
     busy = sum(layer.fwd - layer.fwd_idle for layer in layers) / len(layers)
     if idle < IDLE_FLOOR_S:
         return host_cost
-    return functools.partial(host_cost, rounds=9, idle_s=min(idle, IDLE_CAP_S), busy_s=min(max(busy, 0.0), BUSY_CAP_S))
+    return functools.partial(host_cost, rounds=15, idle_s=min(idle, IDLE_CAP_S), busy_s=min(max(busy, 0.0), BUSY_CAP_S))
 
 
 def _on_rank0_for_all(work, what: str, dist, also=(0,)):

@@ -8,7 +8,8 @@ Measured with torch.distributed on the job's own process groups (gloo on CPU, NC
   sender's and receiver's own host time per message (posting a send; taking a message that has
   arrived), which the runtime pays per message and the simulator prices as ``send``/``recv``;
 - the all-reduce over the data-parallel group (when it has more than one member, else over
-  those two ranks: Chimera's replicas sync in pairs), small and big;
+  those two ranks: Chimera's replicas sync in pairs), small and big, as a step meets it: every member
+  but the last waiting for it, the last posting after an idle (:func:`sync_after_wait`);
 - with ``host_cost``, the runtime's host time per compute action, every rank measuring at once (the mean):
   the simulator's ``dispatch``. The entry points pass the runtime's measurement in
   (``runtime.host_cost.measure_dispatch``); the planner does not import the runtime.
@@ -100,7 +101,8 @@ def measure_links(dist, first_rank: int, second_rank: int, data_group, device, b
     sync over such pairs). Every rank calls it; the result is the same on every rank.
 
     ``idle_s``: how long a receiver waits for its input in a step (a stage's forward): the latency
-    priced is the one to such a waiting rank where both ranks share a host (``same_host``).
+    priced is the one to such a waiting rank where both ranks share a host (``same_host``); a gradient sync's
+    last member idles as long before it posts.
     ``big_bytes`` (a message) and ``reduce_bytes`` (a stage's gradients) size the bandwidth probes.
     ``pipe_group`` (the pipeline ranks of a data-parallel copy, more than two): the all-reduce over it too,
     for schedules whose stages have more than two replicas (Chimera with several pipelines).
@@ -132,14 +134,13 @@ def measure_links(dist, first_rank: int, second_rank: int, data_group, device, b
     dp = dist.get_world_size(data_group) if data_group is not None else 1
     narrow = data_group if dp > 1 else pair
     if dist.get_world_size(narrow) > 1 and (dp > 1 or me in (first_rank, second_rank)):
-        lat, bw = _allreduce_times(dist, narrow, reduce_numel, rounds, device)
-        post = _sync_post_time(dist, narrow, reduce_numel, max(5, rounds // 3), device)
+        lat, bw, post = _allreduce_times(dist, narrow, reduce_numel, rounds, device, idle_s, same_host)
         if me == first_rank:
             values[4], values[5], values[8] = lat, _bandwidth(reduce_numel * 4, bw, lat), post
     dist.barrier()
     if pipe_group is not None and dist.get_world_size(pipe_group) > 2 and \
             dist.get_rank(pipe_group) >= 0 and dp == 1:
-        lat, bw = _allreduce_times(dist, pipe_group, reduce_numel, rounds, device)
+        lat, bw, _ = _allreduce_times(dist, pipe_group, reduce_numel, rounds, device, idle_s, same_host)
         if me == first_rank:
             values[6], values[7] = lat, _bandwidth(reduce_numel * 4, bw, lat)
     dist.barrier()
@@ -153,37 +154,51 @@ def measure_links(dist, first_rank: int, second_rank: int, data_group, device, b
                  wide_allreduce_bytes_per_s=v[7] if v[6] else v[5], sync_post_s=v[8], dispatch_s=v[9])
 
 
-def _sync_post_time(dist, group, numel: int, rounds: int, device) -> float:
-    """Median host time to post one stage's gradient sync: flatten its gradients (one copy) and post the
-    all-reduce without waiting, as the runtime does; the rank computes nothing meanwhile."""
-    grads = [torch.zeros(numel // 2, device=device), torch.zeros(numel - numel // 2, device=device)]
-    times = []
+def sync_after_wait(dist, group, numel: int, idle_s: float, rounds: int, device, same_host: bool = True) -> tuple:
+    """Median times of a stage's gradient sync over ``group`` as a step meets it: (from its last member's post
+    to the moment every member holds the result, the last member's own time to post it).
+
+    A sync completes only after its last member posts it, and the others are waiting by then: every member but
+    the last posts at once and waits; the last one idles ``idle_s`` first (a rank finishing its last backward),
+    then flattens the gradients (``numel`` floats in two tensors), posts the all-reduce and waits, and each
+    member copies the result back, as the runtime does. Where the members share a host (``same_host``) each
+    stamps its result's arrival on the one clock (``time.perf_counter``); across hosts the time is the last
+    member's own, from its post to its result. Every member of ``group``
+    (None: the world) calls it; its barriers and the stamps' reduction stay within the group."""
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    last = dist.get_rank() == max(members)
+    grads = [torch.zeros(max(1, numel // 2), device=device), torch.zeros(max(1, numel - numel // 2), device=device)]
+    times, posts = [], []
     for _ in range(rounds):
         dist.barrier(group=group)
+        if last:
+            time.sleep(idle_s)
         _sync(device)
-        start = time.perf_counter()
-        work = dist.all_reduce(torch.cat(grads), group=group, async_op=True)
-        _sync(device)
-        times.append(time.perf_counter() - start)
+        posted = time.perf_counter()
+        flat = torch.cat(grads)
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        returned = time.perf_counter()
         work.wait()
-    return statistics.median(times)
+        for grad, synced in zip(grads, flat.split([g.numel() for g in grads])):
+            grad.copy_(synced)
+        _sync(device)
+        done = time.perf_counter()
+        if same_host:
+            stamps = [posted if last else 0.0, returned - posted if last else 0.0, done]
+        else:
+            stamps = [0.0, returned - posted if last else 0.0, done - posted if last else 0.0]
+        stamps = torch.tensor(stamps, dtype=torch.float64, device=device)
+        dist.all_reduce(stamps, op=dist.ReduceOp.MAX, group=group)
+        times.append(float(stamps[2] - stamps[0]))
+        posts.append(float(stamps[1]))
+    return statistics.median(times), statistics.median(posts)
 
 
-def _allreduce_times(dist, group, numel: int, rounds: int, device) -> tuple:
-    """(median seconds of a small all-reduce over ``group``, of one of ``numel`` floats)."""
-    small = torch.zeros(16, device=device)
-    large = torch.zeros(numel, device=device)
+def _allreduce_times(dist, group, numel: int, rounds: int, device, idle_s: float, same_host: bool) -> tuple:
+    """(a small gradient sync over ``group``, one of ``numel`` floats, the post of the latter), as a step meets
+    them (:func:`sync_after_wait`)."""
     for _ in range(3):
-        dist.all_reduce(small, group=group)
-    return _timed(dist, small, group, rounds, device), _timed(dist, large, group, max(5, rounds // 3), device)
-
-
-def _timed(dist, tensor, group, rounds: int, device) -> float:
-    times = []
-    for _ in range(rounds):
-        _sync(device)
-        start = time.perf_counter()
-        dist.all_reduce(tensor, group=group)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        dist.all_reduce(torch.zeros(16, device=device), group=group)        # warm-up: connections, buffers
+    small, _ = sync_after_wait(dist, group, 16, idle_s, rounds, device, same_host)
+    big, post = sync_after_wait(dist, group, numel, idle_s, max(5, rounds // 3), device, same_host)
+    return small, big, post

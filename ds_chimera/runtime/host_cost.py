@@ -16,7 +16,10 @@ on a warm core: the near-free default measures that. After a layer that leaves t
 device, or the benchmarks' timed layers, which sleep) a virtual CPU resumes with cold caches, and the first
 code after the wait runs several times slower: on this project's CI host a 1 us tensor op takes 5 us after
 0.1 ms idle and 100 us after 10 ms (docs/investigations/zero-bubble-host-time.md). ``layer`` measures the
-host time per action around such layers. The planner's links take it (``measure_links``'s
+host time per action around such layers; ``idle_s`` and ``busy_s`` around a :class:`ShapedLayer` that waits,
+then computes, as the model's mean layer does (the planner passes its profile's; the layers' waits are read
+as they happen and left out, so their wake-ups, which vary from call to call, are not taken for the
+runtime's). The planner's links take it (``measure_links``'s
 ``host_cost``; the entry points pass this function in, the planner does not import the runtime): every rank
 of a job measures at once, so ranks that share a host's cores are measured sharing them, as in a step.
 """
@@ -51,42 +54,50 @@ class _NearFree(nn.Module):
         return x * self.weight
 
 
-def _wait_then_work(idle_s: float, busy_s: float) -> None:
-    """Leave the core idle ``idle_s``, then keep it busy ``busy_s``: a layer's pattern of waiting and computing."""
-    if idle_s > 0:
-        time.sleep(idle_s)
-    end = time.perf_counter() + busy_s
-    while time.perf_counter() < end:
-        pass
+class Shape:
+    """How a shaped layer uses the core: idle ``idle_s``, then busy ``busy_s``, per op; ``inside`` adds up the
+    seconds spent so (the ``clock`` of :func:`layer_costs` and :func:`time_per_action`)."""
+
+    def __init__(self, idle_s: float, busy_s: float):
+        self.idle_s, self.busy_s, self.inside = idle_s, busy_s, 0.0
+
+    def wait_then_work(self) -> None:
+        start = time.perf_counter()
+        if self.idle_s > 0:
+            time.sleep(self.idle_s)
+        end = time.perf_counter() + self.busy_s
+        while time.perf_counter() < end:
+            pass
+        self.inside += time.perf_counter() - start
 
 
 class _ShapedPath(torch.autograd.Function):
-    """The identity whose backward waits, then computes (``_wait_then_work``)."""
+    """The identity whose backward waits, then computes (``Shape.wait_then_work``)."""
 
     @staticmethod
-    def forward(ctx, x, idle_s, busy_s):
-        ctx.shape = (idle_s, busy_s)
+    def forward(ctx, x, shape):
+        ctx.shape = shape
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        _wait_then_work(*ctx.shape)
-        return grad, None, None
+        ctx.shape.wait_then_work()
+        return grad, None
 
 
 class ShapedLayer(nn.Module):
-    """A layer whose forward, input-grad and weight-grad each leave the core idle ``idle_s``, then compute
-    ``busy_s``: the model's layers as the core sees them (the profile's ``fwd_idle`` and the rest of ``fwd``),
-    for the host time per action around them."""
+    """A layer whose forward, input-grad and weight-grad each leave the core idle, then compute, as ``shape``
+    says: the model's layers as the core sees them (the profile's ``fwd_idle`` and the rest of ``fwd``), for
+    the host time per action around them."""
 
-    def __init__(self, idle_s: float, busy_s: float):
+    def __init__(self, shape: Shape):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(1))
-        self.shape = (idle_s, busy_s)
+        self.shape = shape
 
     def forward(self, x):
-        _wait_then_work(*self.shape)
-        return _ShapedPath.apply(x, *self.shape) + _ShapedPath.apply(self.weight, *self.shape) * 0.0
+        self.shape.wait_then_work()
+        return _ShapedPath.apply(x, self.shape) + _ShapedPath.apply(self.weight, self.shape) * 0.0
 
 
 class _OneRank:
@@ -130,30 +141,28 @@ class _OneRank:
                 p.grad = None
 
 
-def layer_costs(make_layer, width: int, device, rounds: int) -> dict:
+def layer_costs(make_layer, width: int, device, rounds: int, clock=None) -> dict:
     """The layer's own forward, input-grad and weight-grad (median seconds), timed as the profiler times a
-    layer, and the loss."""
+    layer, and the loss. ``clock`` (a :class:`Shape`): the time the layer spends in its waits, read as it goes,
+    is left out of each (:func:`time_per_action` leaves it out of the program's runs too)."""
     layer = make_layer().to(device)
     params = [p for p in layer.parameters() if p.requires_grad]
     times = {"F": [], "I": [], "W": [], "loss": []}
+
+    def timed(kind, work):
+        waited = clock.inside if clock is not None else 0.0
+        start = time.perf_counter()
+        out = work()
+        times[kind].append(time.perf_counter() - start - ((clock.inside - waited) if clock is not None else 0.0))
+        return out
     for _ in range(rounds):
         x = torch.randn(1, width, device=device, requires_grad=True)
-        start = time.perf_counter()
-        y = layer(x)
-        mid = time.perf_counter()
-        loss = y.sum()
-        end_loss = time.perf_counter()
+        y = timed("F", lambda: layer(x))
+        loss = timed("loss", y.sum)
         grads = [torch.ones_like(y)]
-        t0 = time.perf_counter()
-        autograd_calls.grad([y], [x], grads, retain_graph=True)
-        t1 = time.perf_counter()
-        autograd_calls.grad([y], params, grads)
-        t2 = time.perf_counter()
+        timed("I", lambda: autograd_calls.grad([y], [x], grads, retain_graph=True))
+        timed("W", lambda: autograd_calls.grad([y], params, grads))
         del loss
-        times["F"].append(mid - start)
-        times["loss"].append(end_loss - mid)
-        times["I"].append(t1 - t0)
-        times["W"].append(t2 - t1)
     return {kind: statistics.median(values) for kind, values in times.items()}
 
 
@@ -167,18 +176,22 @@ def measure_dispatch(device="cpu", rounds: int = 30, width: int = 16, layer=None
     ``layer``): around :class:`ShapedLayer` ``(idle_s, busy_s)`` instead, a layer that waits as the model's do
     (the planner passes the profile's mean layer: ``fwd_idle`` and the rest of ``fwd``).
     The random state is left as it was: training after planning starts as it would have."""
+    clock = None
     if layer is None and idle_s > 0:
+        clock = Shape(idle_s, busy_s)
+
         def layer():
-            return ShapedLayer(idle_s, busy_s)
+            return ShapedLayer(clock)
     with torch.random.fork_rng(devices=[]):
-        return _measure(device, rounds, width, layer or _NearFree)
+        return _measure(device, rounds, width, layer or _NearFree, clock)
 
 
-def _measure(device, rounds: int, width: int, make_layer) -> float:
+def _measure(device, rounds: int, width: int, make_layer, clock=None) -> float:
     schedule, ops = one_rank_program()
     executor = StepExecutor(_OneRank(schedule, width, device, make_layer))
     scale = 1.0 / PROGRAM[2]
-    return time_per_action(lambda: executor.run(ops, train=True, scale=scale), make_layer, width, device, rounds)
+    return time_per_action(lambda: executor.run(ops, train=True, scale=scale), make_layer, width, device, rounds,
+                           clock)
 
 
 @functools.lru_cache(maxsize=1)
@@ -189,11 +202,13 @@ def one_rank_program() -> tuple:
     return schedule, schedule.lower().ops[0]
 
 
-def time_per_action(run, make_layer, width: int, device, rounds: int) -> float:
+def time_per_action(run, make_layer, width: int, device, rounds: int, clock=None) -> float:
     """Seconds per compute action of ``run()``, a call that runs :data:`PROGRAM` once over chunks of one
     ``make_layer()`` layer each, less the layers' own costs and the loss: the host time per action of whatever
     runs the program (the runtime's executor here; the Megatron contract in ``benchmarks/schedules.py``).
-    The median over ``rounds`` calls, after three to warm up (allocations, the engine's first calls)."""
+    The median over ``rounds`` calls, after three to warm up (allocations, the engine's first calls).
+    ``clock`` (the layers' :class:`Shape`): their waits, read in each run, are left out of it and of the layers'
+    costs, so a wait's wake-up, which varies from call to call, is not taken for the runtime's."""
     schedule, ops = one_rank_program()
     kinds = [str(op.kind) for op in ops if type(op) is Action]
     last = {c.index for c in schedule.placement.chunks if schedule.placement.next_chunk(c.index) is None}
@@ -202,9 +217,10 @@ def time_per_action(run, make_layer, width: int, device, rounds: int) -> float:
         run()
     times = []
     for _ in range(rounds):
+        waited = clock.inside if clock is not None else 0.0
         start = time.perf_counter()
         run()
-        times.append(time.perf_counter() - start)
-    own = layer_costs(make_layer, width, device, rounds)
+        times.append(time.perf_counter() - start - ((clock.inside - waited) if clock is not None else 0.0))
+    own = layer_costs(make_layer, width, device, rounds, clock)
     layers = sum(own.get(kind, own["I"] + own["W"] if kind == "B" else 0.0) for kind in kinds)
     return max(0.0, (statistics.median(times) - layers - losses * own["loss"]) / len(kinds))
