@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -61,6 +62,12 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure-dispatch", action="store_true",
                    help="measure --cost-dispatch on this machine first (the runtime's executor on a one-rank program "
                         "of near-free layers, one process; in seconds, so give the other costs in seconds too)")
+    p.add_argument("--layer-idle-ms", type=float, default=0.0,
+                   help="with --measure-dispatch: around layers that leave the core idle this long per op, then "
+                        "compute --layer-busy-ms (layers that wait; the code after a wait runs on a cold core), as "
+                        "the planner measures it from its profile; 0: near-free layers")
+    p.add_argument("--layer-busy-ms", type=float, default=0.0,
+                   help="with --layer-idle-ms: the compute after each wait")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO stage: 2 and 3 add the chunks' weight gathers (and 3 their releases) to the program")
     p.add_argument("--data-parallel", type=int, default=1,
@@ -142,10 +149,22 @@ def cmd_simulate(args) -> int:
     _check_target(args)
     if args.data_parallel < 1:
         raise ValueError(f"--data-parallel must be >= 1, got {args.data_parallel}")
+    for flag, value in (("--layer-idle-ms", args.layer_idle_ms), ("--layer-busy-ms", args.layer_busy_ms)):
+        if not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"{flag} must be a finite number of milliseconds >= 0, got {value}")
+        if value and not args.measure_dispatch:
+            raise ValueError(f"{flag} shapes the layers --measure-dispatch measures around: add --measure-dispatch, "
+                             f"or drop {flag}")
+    if args.layer_busy_ms and not args.layer_idle_ms:
+        raise ValueError("--layer-busy-ms is the compute after each wait of --layer-idle-ms: give --layer-idle-ms too")
     if args.measure_dispatch:
         from .runtime.host_cost import measure_dispatch
-        args.cost_dispatch = measure_dispatch()
-        print(f"measured: the runtime's host time per compute action {args.cost_dispatch * 1e3:.3f} ms "
+        shaped = {"idle_s": args.layer_idle_ms / 1e3, "busy_s": args.layer_busy_ms / 1e3, "rounds": 15} \
+            if args.layer_idle_ms else {}
+        args.cost_dispatch = measure_dispatch(**shaped)
+        around = (f"around layers idling {args.layer_idle_ms:g} ms, then computing {args.layer_busy_ms:g} ms"
+                  if shaped else "around near-free layers")
+        print(f"measured: the runtime's host time per compute action {args.cost_dispatch * 1e3:.3f} ms {around} "
               f"(--cost-dispatch {args.cost_dispatch:.6f})", file=sys.stderr)
     costs = Costs(**{name: getattr(args, f"cost_{name}") for name in COST_NAMES})
     if args.schedule == "auto":

@@ -205,3 +205,17 @@ def test_around_a_shaped_layer_its_own_time_is_taken_off():
         assert 0.0 <= without_waits[kind] < 0.001, without_waits      # the layer's own code, not its waits
     around = host_cost.measure_dispatch(rounds=3, idle_s=0.002, busy_s=0.0005)
     assert 0.0 <= around < 1e-3, around
+
+
+def test_simulate_measures_it_around_layers_that_wait_when_asked():
+    base = [sys.executable, "-m", "ds_chimera.cli", "simulate", "--schedule", "zbv", "--stages", "4",
+            "--micro-batches", "8", "--cost-fwd", "0.01", "--cost-bwd", "0.02", "--cost-wgrad", "0.01", "--json"]
+    shaped = subprocess.run(base + ["--measure-dispatch", "--layer-idle-ms", "2", "--layer-busy-ms", "0.5"],
+                            capture_output=True, text=True, timeout=180)
+    assert shaped.returncode == 0, shaped.stderr[-2000:]
+    assert "around layers idling 2 ms, then computing 0.5 ms" in shaped.stderr
+    for extra, message in ((["--layer-idle-ms", "2"], "add --measure-dispatch"),
+                           (["--measure-dispatch", "--layer-idle-ms", "-1"], "--layer-idle-ms must be a finite number"),
+                           (["--measure-dispatch", "--layer-busy-ms", "1"], "give --layer-idle-ms too")):
+        refused = subprocess.run(base + extra, capture_output=True, text=True, timeout=120)
+        assert refused.returncode != 0 and message in refused.stderr, (extra, refused.stderr[-1000:])
