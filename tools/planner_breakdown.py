@@ -124,8 +124,8 @@ def worker(args):
     if rank == 0:
         print(f"  planner-breakdown {name} {json.dumps(section)} cut={args.cut} N={n} (ms)", flush=True)
         print(f"  planner-breakdown   {cand.step_s * 1e3:8.1f}  predicted (message {costs.comm * 1e3:.3f}, a stage's "
-              f"gradient sync {costs.allreduce * 1e3:.3f}, host time per action {costs.dispatch * 1e3:.3f}, optimizer step "
-              f"per stage {costs.step * 1e3:.3f})", flush=True)
+              f"gradient sync {costs.allreduce * 1e3:.3f}, host time per action {costs.dispatch * 1e3:.3f}, "
+              f"optimizer step per stage {costs.step * 1e3:.3f})", flush=True)
         print(f"  planner-breakdown   {result['replay_s'] * 1e3:8.1f}  replayed on the ops' in-step durations, the same "
               f"costs otherwise", flush=True)
         print(f"  planner-breakdown   {result['replay_around_layers_s'] * 1e3:8.1f}  the same, host time per action "

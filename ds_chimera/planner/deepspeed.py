@@ -137,7 +137,8 @@ def _around_layers(host_cost, layers):
     busy = sum(layer.fwd - layer.fwd_idle for layer in layers) / len(layers)
     if idle < IDLE_FLOOR_S:
         return host_cost
-    return functools.partial(host_cost, rounds=15, idle_s=min(idle, IDLE_CAP_S), busy_s=min(max(busy, 0.0), BUSY_CAP_S))
+    return functools.partial(host_cost, rounds=15, idle_s=min(idle, IDLE_CAP_S),
+                             busy_s=min(max(busy, 0.0), BUSY_CAP_S))
 
 
 def _on_rank0_for_all(work, what: str, dist, also=(0,)):

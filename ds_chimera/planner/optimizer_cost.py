@@ -86,7 +86,7 @@ def measure_step(make_optimizer, param_counts: list, stages: int, device, rounds
     device = torch.device(device)
     cuda = device.type == "cuda"
     params = [torch.zeros(n, device=device, requires_grad=True) for n in tensors]
-    grads = [torch.full((n,), 1e-3, device=device) for n in tensors]      # no random draw: training's stream is left as is
+    grads = [torch.full((n,), 1e-3, device=device) for n in tensors]      # no random draw: training's stream intact
     opt = make_optimizer(params)
     times = []
     for i in range(rounds + 2):
