@@ -185,6 +185,7 @@ def test_the_planner_measures_around_layers_that_wait_as_the_models_do():
         return LayerCost(name="l", fwd=fwd, bwd=2 * fwd, wgrad=fwd, activation_bytes=0, output_bytes=0, param_bytes=0,
                          fwd_idle=idle)
     assert _around_layers(measure, [layer(0.004, 0.0), layer(0.002, 0.00001)]) is measure   # compute-bound: warm
+    assert _around_layers(measure, [layer(0.1, 0.002)]) is measure         # descheduled 2% of the time: still warm
     shaped = _around_layers(measure, [layer(0.004, 0.003), layer(0.002, 0.001)])
     assert shaped() == {"rounds": 15, "idle_s": pytest.approx(0.002), "busy_s": pytest.approx(0.001)}
     capped = _around_layers(measure, [layer(0.5, 0.4)])()

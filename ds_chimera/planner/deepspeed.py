@@ -123,7 +123,8 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
     return pipeline.with_plan(decided["pipeline"], decided)      # with its predicted step and peak memory
 
 
-IDLE_FLOOR_S = 1e-4       # layers idling less than this leave the core warm: the host time is measured as is
+IDLE_FLOOR_S = 1e-4       # layers idling less than this, or for less than half their forward (a compute-bound
+IDLE_SHARE = 0.5          # layer descheduled now and then), leave the core warm: measured around near-free layers
 IDLE_CAP_S, BUSY_CAP_S = 0.003, 0.002    # the core is about as cold after 3 ms idle as after 10; bounds the timing
 
 
@@ -135,7 +136,8 @@ def _around_layers(host_cost, layers):
         return host_cost
     idle = sum(layer.fwd_idle for layer in layers) / len(layers)
     busy = sum(layer.fwd - layer.fwd_idle for layer in layers) / len(layers)
-    if idle < IDLE_FLOOR_S:
+    fwd = sum(layer.fwd for layer in layers) / len(layers)
+    if idle < IDLE_FLOOR_S or idle < IDLE_SHARE * fwd:
         return host_cost
     return functools.partial(host_cost, rounds=15, idle_s=min(idle, IDLE_CAP_S),
                              busy_s=min(max(busy, 0.0), BUSY_CAP_S))
