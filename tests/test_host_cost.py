@@ -100,7 +100,8 @@ import torch, torch.distributed as dist
 from ds_chimera.planner.links import sync_after_wait
 dist.init_process_group("gloo")
 took, post = sync_after_wait(dist, None, 1000, 0.05, 3, torch.device("cpu"))
-print(json.dumps({"took": took, "post": post}))
+own, own_post = sync_after_wait(dist, None, 1000, 0.05, 3, torch.device("cpu"), same_host=False)
+print(json.dumps({"took": took, "post": post, "own": own, "own_post": own_post}))
 dist.destroy_process_group()
 """
 
@@ -117,6 +118,8 @@ def test_a_gradient_sync_is_timed_from_its_last_members_post(tmp_path):
         timed.append(json.loads(out.strip().splitlines()[-1]))
     assert timed[0] == timed[1]                  # the group's figure, the same on every member
     assert 0.0 < timed[0]["post"] <= timed[0]["took"] < 0.04, timed[0]
+    # across hosts (clocks that differ) the last member's own post-to-result time: the same kind of figure
+    assert 0.0 < timed[0]["own_post"] <= timed[0]["own"] < 0.04, timed[0]
 
 
 def test_the_planner_prices_it_on_every_compute_action():

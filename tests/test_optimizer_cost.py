@@ -107,9 +107,29 @@ def test_under_zero_each_data_parallel_rank_steps_its_share():
 def test_a_profile_keeps_its_step_and_one_without_it_prices_none():
     profile = Profile(_layers(2), Links(), optimizer_step_s=0.002)
     assert Profile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
+    newer = profile.to_json()
+    newer["layers"][0]["from_a_later_version"] = 1          # a profile a later version wrote still loads
+    newer["links"]["also_later"] = 2.0
+    assert Profile.from_json(newer) == profile
     old = profile.to_json()
     del old["optimizer_step_s"]
     for layer in old["layers"]:
         del layer["fwd_idle"]
     again = Profile.from_json(old)
     assert again.optimizer_step_s == 0.0 and all(layer.fwd_idle == 0.0 for layer in again.layers)
+
+
+def test_a_reused_profile_prices_the_step_for_this_runs_pipeline():
+    """The step was timed on a mean stage of the pipeline the profile was measured for: a profile_file of a
+    two-stage run, reused on four stages, prices each stage's step at half."""
+    key = ("1f1b", "{}")
+    base = _steps(Profile(_layers(), Links()), Setting(stages=4, micro_batches=8))[0][key]
+    reused = Profile(_layers(), Links(), meta={"optimizer_step_stages": 2}, optimizer_step_s=0.004)
+    assert _steps(reused, Setting(stages=4, micro_batches=8))[0][key] - base == pytest.approx(0.002)
+
+
+def test_under_zero_offload_the_step_is_timed_on_the_cpu():
+    """The offloaded optimizer steps on the CPU: timed there, even where the job's device is a GPU (this host
+    has none, so a timing on "cuda" would fail and price nothing)."""
+    offload = {"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert measured_step_s(offload, None, [1000, 1000], 2, "cuda") > 0

@@ -396,3 +396,20 @@ def test_the_first_layers_input_grad_is_timed_only_where_the_data_needs_one():
     first, second = profile.layers
     assert first.bwd == pytest.approx(first.wgrad) and first.bwd < 0.008, first       # W's 4 ms, no I
     assert second.bwd > 0.012 and second.bwd - second.wgrad > 0.008, second            # I's 10 ms and W's 4
+
+
+def test_a_namedtuple_input_is_profiled_as_given():
+    import collections
+    Pair = collections.namedtuple("Pair", "x y")
+
+    class TakesPair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, pair):
+            return self.linear(pair.x) + pair.y
+
+    profile = profile_sequential([TakesPair(), nn.Tanh()], Pair(torch.randn(2, 8), torch.randn(2, 8)),
+                                 loss=lambda out: out.sum())
+    assert profile.layers[0].params == 8 * 8 + 8 and profile.layers[0].fwd > 0

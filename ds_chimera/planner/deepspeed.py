@@ -24,7 +24,7 @@ from ..logs import get_logger
 from ..named_files import load_json, read_named_file
 from .memory import GIB
 from .optimizer_cost import measured_step_s
-from .profile import Profile, profile_layers
+from .profile import Profile, profile_layers, rebuilt_like
 from .search import Budget, Setting, plan
 
 log = get_logger()
@@ -41,8 +41,9 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
     ``training_data`` (only rank 0's is used; other ranks may pass :data:`ON_RANK0`). ``defer``: with no data
     to profile on (and no plan or profile file), return None instead of raising: the caller plans at the first
     ``train_batch`` (:mod:`.deferred`). ``host_cost``: the runtime's measurement of its host time per compute
-    action (``runtime.host_cost.measure_dispatch``), taken with the links (:func:`.links.measure_links`) on CPU
-    ranks, around layers shaped as the model's where they leave the core idle (:func:`_around_layers`)."""
+    action (``runtime.host_cost.measure_dispatch``, or a callable taking its ``rounds``, ``idle_s`` and ``busy_s``
+    keywords), taken with the links (:func:`.links.measure_links`) on CPU ranks, around layers shaped as the
+    model's where they leave the core idle (:func:`_around_layers`)."""
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
@@ -83,7 +84,8 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
                                       _optimizer_state_bytes(config, optimizer), micro_batch,
                                       agree=_agree_in_tensor_group(grid, device) if len(profilers) > 1 else None)
             step_s = measured_step_s(config, optimizer, [layer.params for layer in measured.layers], stages, device)
-            return dataclasses.replace(measured, optimizer_step_s=step_s).to_json()
+            return dataclasses.replace(measured, optimizer_step_s=step_s,
+                                       meta={**measured.meta, "optimizer_step_stages": stages}).to_json()
         profile = Profile.from_json(_on_rank0_for_all(profiled, "profiling the layers", dist, also=profilers))
     # the first data-parallel copy's (and tensor rank's) first two stages, the same two ranks on every rank: the
     # pair's group is created by every rank with the same members (each copy naming its own pair made groups
@@ -321,7 +323,7 @@ def _to(value, device):
     if torch.is_tensor(value):
         return value.to(device)
     if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
+        return rebuilt_like(value, [_to(v, device) for v in value])
     return value
 
 

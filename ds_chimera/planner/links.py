@@ -18,6 +18,7 @@ Every rank of the world must call :func:`measure_links`; the result is the same 
 """
 from __future__ import annotations
 
+import socket
 import statistics
 import time
 
@@ -101,8 +102,8 @@ def measure_links(dist, first_rank: int, second_rank: int, data_group, device, b
     sync over such pairs). Every rank calls it; the result is the same on every rank.
 
     ``idle_s``: how long a receiver waits for its input in a step (a stage's forward): the latency
-    priced is the one to such a waiting rank where both ranks share a host (``same_host``); a gradient sync's
-    last member idles as long before it posts.
+    priced is the one to such a waiting rank where both ranks share a host (``same_host``, and their host names
+    agree); a gradient sync's last member idles as long before it posts.
     ``big_bytes`` (a message) and ``reduce_bytes`` (a stage's gradients) size the bandwidth probes.
     ``pipe_group`` (the pipeline ranks of a data-parallel copy, more than two): the all-reduce over it too,
     for schedules whose stages have more than two replicas (Chimera with several pipelines).
@@ -113,6 +114,9 @@ def measure_links(dist, first_rank: int, second_rank: int, data_group, device, b
     big = max(4, int(big_bytes) // 4)
     reduce_numel = max(4, int(reduce_bytes) // 4)
     pair = dist.new_group(sorted({first_rank, second_rank}))     # collective: every rank, in one order
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    same_host = same_host and hosts[first_rank] == hosts[second_rank]    # one clock for the waiting latency's stamps
     dist.barrier()
     if me in (first_rank, second_rank) and first_rank != second_rank:
         first = me == first_rank
@@ -134,13 +138,13 @@ def measure_links(dist, first_rank: int, second_rank: int, data_group, device, b
     dp = dist.get_world_size(data_group) if data_group is not None else 1
     narrow = data_group if dp > 1 else pair
     if dist.get_world_size(narrow) > 1 and (dp > 1 or me in (first_rank, second_rank)):
-        lat, bw, post = _allreduce_times(dist, narrow, reduce_numel, rounds, device, idle_s, same_host)
+        lat, bw, post = _allreduce_times(dist, narrow, reduce_numel, rounds, device, idle_s)
         if me == first_rank:
             values[4], values[5], values[8] = lat, _bandwidth(reduce_numel * 4, bw, lat), post
     dist.barrier()
     if pipe_group is not None and dist.get_world_size(pipe_group) > 2 and \
             dist.get_rank(pipe_group) >= 0 and dp == 1:
-        lat, bw, _ = _allreduce_times(dist, pipe_group, reduce_numel, rounds, device, idle_s, same_host)
+        lat, bw, _ = _allreduce_times(dist, pipe_group, reduce_numel, rounds, device, idle_s)
         if me == first_rank:
             values[6], values[7] = lat, _bandwidth(reduce_numel * 4, bw, lat)
     dist.barrier()
@@ -154,19 +158,24 @@ def measure_links(dist, first_rank: int, second_rank: int, data_group, device, b
                  wide_allreduce_bytes_per_s=v[7] if v[6] else v[5], sync_post_s=v[8], dispatch_s=v[9])
 
 
-def sync_after_wait(dist, group, numel: int, idle_s: float, rounds: int, device, same_host: bool = True) -> tuple:
+def sync_after_wait(dist, group, numel: int, idle_s: float, rounds: int, device, same_host=None) -> tuple:
     """Median times of a stage's gradient sync over ``group`` as a step meets it: (from its last member's post
     to the moment every member holds the result, the last member's own time to post it).
 
     A sync completes only after its last member posts it, and the others are waiting by then: every member but
     the last posts at once and waits; the last one idles ``idle_s`` first (a rank finishing its last backward),
     then flattens the gradients (``numel`` floats in two tensors), posts the all-reduce and waits, and each
-    member copies the result back, as the runtime does. Where the members share a host (``same_host``) each
-    stamps its result's arrival on the one clock (``time.perf_counter``); across hosts the time is the last
-    member's own, from its post to its result. Every member of ``group``
+    member copies the result back, as the runtime does. Where the members share a host (``same_host``; None:
+    they compare host names) each stamps its result's arrival on the one clock (``time.perf_counter``); across
+    hosts, whose clocks differ, the time is the last member's own, from its post to its result. Every member
+    of ``group``
     (None: the world) calls it; its barriers and the stamps' reduction stay within the group."""
     members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     last = dist.get_rank() == max(members)
+    if same_host is None:
+        hosts = [None] * len(members)
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        same_host = len(set(hosts)) == 1
     grads = [torch.zeros(max(1, numel // 2), device=device), torch.zeros(max(1, numel - numel // 2), device=device)]
     times, posts = [], []
     for _ in range(rounds):
@@ -194,11 +203,11 @@ def sync_after_wait(dist, group, numel: int, idle_s: float, rounds: int, device,
     return statistics.median(times), statistics.median(posts)
 
 
-def _allreduce_times(dist, group, numel: int, rounds: int, device, idle_s: float, same_host: bool) -> tuple:
+def _allreduce_times(dist, group, numel: int, rounds: int, device, idle_s: float) -> tuple:
     """(a small gradient sync over ``group``, one of ``numel`` floats, the post of the latter), as a step meets
     them (:func:`sync_after_wait`)."""
     for _ in range(3):
         dist.all_reduce(torch.zeros(16, device=device), group=group)        # warm-up: connections, buffers
-    small, _ = sync_after_wait(dist, group, 16, idle_s, rounds, device, same_host)
-    big, post = sync_after_wait(dist, group, numel, idle_s, max(5, rounds // 3), device, same_host)
+    small, _ = sync_after_wait(dist, group, 16, idle_s, rounds, device)
+    big, post = sync_after_wait(dist, group, numel, idle_s, max(5, rounds // 3), device)
     return small, big, post

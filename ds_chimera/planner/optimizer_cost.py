@@ -87,29 +87,40 @@ def measure_step(make_optimizer, param_counts: list, stages: int, device, rounds
     cuda = device.type == "cuda"
     params = [torch.zeros(n, device=device, requires_grad=True) for n in tensors]
     grads = [torch.full((n,), 1e-3, device=device) for n in tensors]      # no random draw: training's stream intact
-    opt = make_optimizer(params)
     times = []
-    for i in range(rounds + 2):
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
+    try:
+        opt = make_optimizer(params)
+        for i in range(rounds + 2):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            if cuda:
+                torch.cuda.synchronize(device)
+            else:
+                time.sleep(idle_s)
+            start = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize(device)
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+    finally:
+        # the timing's weights, gradients and optimizer state leave the device's cache: the memory budget the
+        # planner reads next (mem_get_info) is then what training has
+        opt = params = grads = None
         if cuda:
-            torch.cuda.synchronize(device)
-        else:
-            time.sleep(idle_s)
-        start = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize(device)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
+            torch.cuda.empty_cache()
     return statistics.median(times) * scale
 
 
 def measured_step_s(config: dict, optimizer, param_counts: list, stages: int, device) -> float:
     """:func:`measure_step` for the job's optimizer, or 0 (logged) where it cannot be rebuilt apart from the job:
-    the step is then not priced, as before it was measured."""
+    the step is then not priced, as before it was measured. Under ZeRO-Offload the optimizer steps on the CPU,
+    and is timed there."""
     make, described = optimizer_maker(config, optimizer)
+    offload = (((config or {}).get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
+    if offload in ("cpu", "nvme"):
+        device = "cpu"
     try:
         seconds = measure_step(make, param_counts, stages, device)
     except Exception as exc:            # noqa: BLE001  (an optimizer this cannot rebuild: price no step, say so)

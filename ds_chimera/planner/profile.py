@@ -12,6 +12,7 @@ from a ``LayerSpec`` is alive at once.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -94,10 +95,10 @@ class Profile:
         if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION or "layers" not in data:
             raise ValueError(f"not a ds_chimera profile (version {PROFILE_VERSION}): expected a JSON object with "
                              f'"version": {PROFILE_VERSION} and "layers"')
-        layers = tuple(LayerCost(**layer) for layer in data["layers"])
+        layers = tuple(LayerCost(**_known(LayerCost, layer)) for layer in data["layers"])
         if not layers:
             raise ValueError("the profile has no layers")
-        return cls(layers, Links(**data.get("links", {})), int(data.get("micro_batch_size", 1)),
+        return cls(layers, Links(**_known(Links, data.get("links", {}))), int(data.get("micro_batch_size", 1)),
                    str(data.get("device", "cpu")), int(data.get("optimizer_state_bytes_per_param", 8)),
                    dict(data.get("meta", {})), float(data.get("optimizer_step_s", 0.0)))
 
@@ -109,6 +110,12 @@ class Profile:
     def load(cls, path: str) -> "Profile":
         with open(path) as fh:
             return cls.from_json(json.load(fh))
+
+
+def _known(cls, fields: dict) -> dict:
+    """The entries of ``fields`` that ``cls`` has: a profile a later version wrote, with more, still loads."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in fields.items() if k in names}
 
 
 # ---- timing ------------------------------------------------------------------------------------
@@ -177,11 +184,14 @@ def _detached(value):
     if torch.is_tensor(value):
         out = value.detach()
         return out.requires_grad_(True) if out.is_floating_point() else out
-    if isinstance(value, tuple):
-        return tuple(_detached(v) for v in value)
-    if isinstance(value, list):
-        return [_detached(v) for v in value]
+    if isinstance(value, (tuple, list)):
+        return rebuilt_like(value, [_detached(v) for v in value])
     return value
+
+
+def rebuilt_like(value, items: list):
+    """A tuple or list of ``value``'s type holding ``items`` (a namedtuple takes them as arguments)."""
+    return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
 
 
 def _as_given(value):
@@ -189,7 +199,7 @@ def _as_given(value):
     if torch.is_tensor(value):
         return value.detach().requires_grad_(value.requires_grad)
     if isinstance(value, (tuple, list)):
-        return type(value)(_as_given(v) for v in value)
+        return rebuilt_like(value, [_as_given(v) for v in value])
     return value
 
 
@@ -205,10 +215,8 @@ def _fresh(value):
     flows): what a layer's in-place first operation may modify."""
     if torch.is_tensor(value):
         return value.clone() if value.requires_grad else value
-    if isinstance(value, tuple):
-        return tuple(_fresh(v) for v in value)
-    if isinstance(value, list):
-        return [_fresh(v) for v in value]
+    if isinstance(value, (tuple, list)):
+        return rebuilt_like(value, [_fresh(v) for v in value])
     return value
 
 
@@ -288,7 +296,8 @@ def _idle_time(forward, reps: int = 3) -> float:
     """Median seconds of ``forward()`` in which this process used no CPU (wall time less CPU time): a layer that
     leaves the core idle (it waits) makes the runtime's code after it run on a cold core, which the host time
     per action is then measured around (``runtime.host_cost``). Compute on several threads counts once per
-    thread, so a parallel layer is not idle."""
+    thread, so a parallel layer is not idle; OpenMP workers that spin after a parallel op count as busy too
+    (``OMP_WAIT_POLICY=passive`` stops them)."""
     samples = []
     for _ in range(reps):
         wall, cpu = time.perf_counter(), time.process_time()

@@ -191,7 +191,14 @@ def _costs(profile: Profile, parts: list, setting: Setting, placement) -> Costs:
     return Costs(fwd=1.0, bwd=1.0, wgrad=0.0, comm=links.message_s(mean_out),
                  allreduce=links.allreduce_s(mean_grad, members), send=links.send_s, recv=links.recv_s,
                  sync_post=links.sync_post_s if members > 1 else 0.0, dispatch=links.dispatch_s,
-                 step=profile.optimizer_step_s / (setting.data_parallel if setting.zero else 1))
+                 step=_stage_step(profile, setting))
+
+
+def _stage_step(profile: Profile, setting: Setting) -> float:
+    """One stage's optimizer step on this setting: the profile's was timed on a mean stage of the pipeline it was
+    measured for (a reused profile_file may have had another), and under ZeRO each data-parallel rank steps 1/DP."""
+    measured_for = profile.meta.get("optimizer_step_stages") or setting.stages
+    return profile.optimizer_step_s * measured_for / setting.stages / (setting.data_parallel if setting.zero else 1)
 
 
 def _compute_bound(placement, stage_time: list) -> float:
