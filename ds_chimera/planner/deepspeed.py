@@ -22,9 +22,10 @@ import torch
 
 from ..logs import get_logger
 from ..named_files import load_json, read_named_file
+from ..runtime.tensors import to_device
 from .memory import GIB
 from .optimizer_cost import measured_step_s
-from .profile import Profile, profile_layers, rebuilt_like
+from .profile import Profile, profile_layers
 from .search import Budget, Setting, plan
 
 log = get_logger()
@@ -137,12 +138,11 @@ def _around_layers(host_cost, layers):
     if host_cost is None or not layers:
         return host_cost
     idle = sum(layer.fwd_idle for layer in layers) / len(layers)
-    busy = sum(layer.fwd - layer.fwd_idle for layer in layers) / len(layers)
     fwd = sum(layer.fwd for layer in layers) / len(layers)
     if idle < IDLE_FLOOR_S or idle < IDLE_SHARE * fwd:
         return host_cost
     return functools.partial(host_cost, rounds=15, idle_s=min(idle, IDLE_CAP_S),
-                             busy_s=min(max(busy, 0.0), BUSY_CAP_S))
+                             busy_s=min(max(fwd - idle, 0.0), BUSY_CAP_S))
 
 
 def _on_rank0_for_all(work, what: str, dist, also=(0,)):
@@ -262,7 +262,7 @@ def profile_module(module, training_data, collate_fn, pipeline, dp: int, device,
     draw from it), so the training that follows starts exactly as it would without the profile."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         if micro_batch is not None:
-            inputs, labels = _to(micro_batch[0], device), _to(micro_batch[1], device)
+            inputs, labels = to_device(micro_batch[0], device), to_device(micro_batch[1], device)
         else:
             inputs, labels = first_micro_batch(training_data, collate_fn, _micro_batch_size(pipeline, dp), device)
         loss_fn = module.loss_fn
@@ -316,15 +316,7 @@ def first_micro_batch(training_data, collate_fn, micro_batch_size: int, device) 
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise ValueError("schedule auto: a pipeline's training_data yields (inputs, labels) pairs; its first batch "
                          f"is a {type(batch).__name__}")
-    return _to(batch[0], device), _to(batch[1], device)
-
-
-def _to(value, device):
-    if torch.is_tensor(value):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return rebuilt_like(value, [_to(v, device) for v in value])
-    return value
+    return to_device(batch[0], device), to_device(batch[1], device)
 
 
 def _micro_batch_size(pipeline, dp: int) -> int:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import autograd_calls
+from ..runtime.tensors import map_tensors
 
 PROFILE_VERSION = 1
 
@@ -181,26 +182,12 @@ def _nbytes(value) -> int:
 
 def _detached(value):
     """The layer's output as the next layer's input: detached, floating tensors requiring grad."""
-    if torch.is_tensor(value):
-        out = value.detach()
-        return out.requires_grad_(True) if out.is_floating_point() else out
-    if isinstance(value, (tuple, list)):
-        return rebuilt_like(value, [_detached(v) for v in value])
-    return value
-
-
-def rebuilt_like(value, items: list):
-    """A tuple or list of ``value``'s type holding ``items`` (a namedtuple takes them as arguments)."""
-    return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return map_tensors(value, lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t.detach())
 
 
 def _as_given(value):
     """``value`` detached, each tensor requiring grad only where it did."""
-    if torch.is_tensor(value):
-        return value.detach().requires_grad_(value.requires_grad)
-    if isinstance(value, (tuple, list)):
-        return rebuilt_like(value, [_as_given(v) for v in value])
-    return value
+    return map_tensors(value, lambda t: t.detach().requires_grad_(t.requires_grad))
 
 
 def _trainable_params(func) -> list:
@@ -213,11 +200,7 @@ def _trainable_params(func) -> list:
 def _fresh(value):
     """``value`` with each tensor that requires grad replaced by a non-leaf copy (the leaf's gradient still
     flows): what a layer's in-place first operation may modify."""
-    if torch.is_tensor(value):
-        return value.clone() if value.requires_grad else value
-    if isinstance(value, (tuple, list)):
-        return rebuilt_like(value, [_fresh(v) for v in value])
-    return value
+    return map_tensors(value, lambda t: t.clone() if t.requires_grad else t)
 
 
 def _saved_bytes(run, params: set) -> tuple:

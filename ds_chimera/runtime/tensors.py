@@ -15,11 +15,13 @@ def pack(tensors):
 
 
 def map_tensors(x, fn):
-    """``x`` with ``fn`` applied to each of its tensors (inside tuples, lists and dicts too)."""
+    """``x`` with ``fn`` applied to each of its tensors (inside tuples, lists and dicts too; a namedtuple keeps its
+    type)."""
     if isinstance(x, torch.Tensor):
         return fn(x)
     if isinstance(x, (tuple, list)):
-        return type(x)(map_tensors(t, fn) for t in x)
+        items = [map_tensors(t, fn) for t in x]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
     if isinstance(x, dict):
         return {k: map_tensors(v, fn) for k, v in x.items()}
     return x
