@@ -138,13 +138,13 @@ def measure_links(dist, first_rank: int, second_rank: int, data_group, device, b
     dp = dist.get_world_size(data_group) if data_group is not None else 1
     narrow = data_group if dp > 1 else pair
     if dist.get_world_size(narrow) > 1 and (dp > 1 or me in (first_rank, second_rank)):
-        lat, bw, post = _allreduce_times(dist, narrow, reduce_numel, rounds, device, idle_s)
+        lat, bw, post = _allreduce_times(dist, narrow, reduce_numel, rounds, device, idle_s, hosts)
         if me == first_rank:
             values[4], values[5], values[8] = lat, _bandwidth(reduce_numel * 4, bw, lat), post
     dist.barrier()
     if pipe_group is not None and dist.get_world_size(pipe_group) > 2 and \
             dist.get_rank(pipe_group) >= 0 and dp == 1:
-        lat, bw, _ = _allreduce_times(dist, pipe_group, reduce_numel, rounds, device, idle_s)
+        lat, bw, _ = _allreduce_times(dist, pipe_group, reduce_numel, rounds, device, idle_s, hosts)
         if me == first_rank:
             values[6], values[7] = lat, _bandwidth(reduce_numel * 4, bw, lat)
     dist.barrier()
@@ -158,6 +158,11 @@ def measure_links(dist, first_rank: int, second_rank: int, data_group, device, b
                  wide_allreduce_bytes_per_s=v[7] if v[6] else v[5], sync_post_s=v[8], dispatch_s=v[9])
 
 
+def _members(dist, group) -> list:
+    """The global ranks of ``group`` (None: the world)."""
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
 def sync_after_wait(dist, group, numel: int, idle_s: float, rounds: int, device, same_host=None) -> tuple:
     """Median times of a stage's gradient sync over ``group`` as a step meets it: (from its last member's post
     to the moment every member holds the result, the last member's own time to post it).
@@ -168,9 +173,8 @@ def sync_after_wait(dist, group, numel: int, idle_s: float, rounds: int, device,
     member copies the result back, as the runtime does. Where the members share a host (``same_host``; None:
     they compare host names) each stamps its result's arrival on the one clock (``time.perf_counter``); across
     hosts, whose clocks differ, the time is the last member's own, from its post to its result. Every member
-    of ``group``
-    (None: the world) calls it; its barriers and the stamps' reduction stay within the group."""
-    members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    of ``group`` (None: the world) calls it; its barriers and the stamps' reduction stay within the group."""
+    members = _members(dist, group)
     last = dist.get_rank() == max(members)
     if same_host is None:
         hosts = [None] * len(members)
@@ -203,11 +207,12 @@ def sync_after_wait(dist, group, numel: int, idle_s: float, rounds: int, device,
     return statistics.median(times), statistics.median(posts)
 
 
-def _allreduce_times(dist, group, numel: int, rounds: int, device, idle_s: float) -> tuple:
+def _allreduce_times(dist, group, numel: int, rounds: int, device, idle_s: float, hosts: list) -> tuple:
     """(a small gradient sync over ``group``, one of ``numel`` floats, the post of the latter), as a step meets
-    them (:func:`sync_after_wait`)."""
+    them (:func:`sync_after_wait`). ``hosts``: every global rank's host name, already gathered."""
     for _ in range(3):
         dist.all_reduce(torch.zeros(16, device=device), group=group)        # warm-up: connections, buffers
-    small, _ = sync_after_wait(dist, group, 16, idle_s, rounds, device)
-    big, post = sync_after_wait(dist, group, numel, idle_s, max(5, rounds // 3), device)
+    same_host = len({hosts[r] for r in _members(dist, group)}) == 1
+    small, _ = sync_after_wait(dist, group, 16, idle_s, rounds, device, same_host)
+    big, post = sync_after_wait(dist, group, numel, idle_s, max(5, rounds // 3), device, same_host)
     return small, big, post

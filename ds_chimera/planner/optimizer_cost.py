@@ -22,6 +22,7 @@ import time
 import torch
 
 from ..logs import get_logger
+from .profile import _Clock
 
 TORCH_OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
                     "adagrad": torch.optim.Adagrad}
@@ -85,25 +86,24 @@ def measure_step(make_optimizer, param_counts: list, stages: int, device, rounds
         return 0.0
     device = torch.device(device)
     cuda = device.type == "cuda"
+    clock = _Clock(device)           # device events on GPU, the host clock on CPU: as the layers are timed
     params = [torch.zeros(n, device=device, requires_grad=True) for n in tensors]
     grads = [torch.full((n,), 1e-3, device=device) for n in tensors]      # no random draw: training's stream intact
     times = []
     try:
         opt = make_optimizer(params)
+
+        def step():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         for i in range(rounds + 2):
             for p, g in zip(params, grads):
                 p.grad = g.clone()
-            if cuda:
-                torch.cuda.synchronize(device)
-            else:
+            if not cuda:
                 time.sleep(idle_s)
-            start = time.perf_counter()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize(device)
+            seconds = clock.time(step)
             if i >= 2:
-                times.append(time.perf_counter() - start)
+                times.append(seconds)
     finally:
         # the timing's weights, gradients and optimizer state leave the device's cache: the memory budget the
         # planner reads next (mem_get_info) is then what training has

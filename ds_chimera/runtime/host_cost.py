@@ -141,6 +141,15 @@ class _OneRank:
                 p.grad = None
 
 
+def _outside_waits(work, clock=None) -> tuple:
+    """(seconds ``work()`` took, less the shaped layers' waits in it where ``clock`` is their :class:`Shape`;
+    its result)."""
+    waited = clock.inside if clock is not None else 0.0
+    start = time.perf_counter()
+    out = work()
+    return time.perf_counter() - start - ((clock.inside - waited) if clock is not None else 0.0), out
+
+
 def layer_costs(make_layer, width: int, device, rounds: int, clock=None) -> dict:
     """The layer's own forward, input-grad and weight-grad (median seconds), timed as the profiler times a
     layer, and the loss. ``clock`` (a :class:`Shape`): the time the layer spends in its waits, read as it goes,
@@ -150,10 +159,8 @@ def layer_costs(make_layer, width: int, device, rounds: int, clock=None) -> dict
     times = {"F": [], "I": [], "W": [], "loss": []}
 
     def timed(kind, work):
-        waited = clock.inside if clock is not None else 0.0
-        start = time.perf_counter()
-        out = work()
-        times[kind].append(time.perf_counter() - start - ((clock.inside - waited) if clock is not None else 0.0))
+        seconds, out = _outside_waits(work, clock)
+        times[kind].append(seconds)
         return out
     for _ in range(rounds):
         x = torch.randn(1, width, device=device, requires_grad=True)
@@ -215,12 +222,7 @@ def time_per_action(run, make_layer, width: int, device, rounds: int, clock=None
     losses = sum(1 for op in ops if type(op) is Action and op.kind == FORWARD and op.chunk in last)
     for _ in range(3):
         run()
-    times = []
-    for _ in range(rounds):
-        waited = clock.inside if clock is not None else 0.0
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start - ((clock.inside - waited) if clock is not None else 0.0))
+    times = [_outside_waits(run, clock)[0] for _ in range(rounds)]
     own = layer_costs(make_layer, width, device, rounds, clock)
     layers = sum(own.get(kind, own["I"] + own["W"] if kind == "B" else 0.0) for kind in kinds)
     return max(0.0, (statistics.median(times) - layers - losses * own["loss"]) / len(kinds))
