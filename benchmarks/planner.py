@@ -77,6 +77,32 @@ def build_layer_classes():
     return PlannedLayer
 
 
+def model_specs() -> tuple:
+    """(the layer class, the LayerSpecs of LAYOUT): the benchmark's model, as every engine of it is built."""
+    from deepspeed.pipe import LayerSpec
+    layer_cls = build_layer_classes()
+    return layer_cls, [LayerSpec(layer_cls, units, params, act) for _, units, params, act in LAYOUT]
+
+
+def planned_engine(specs, n: int, pipeline=None, method: str = "parameters", training_data=None):
+    """An engine of the benchmark's model over every rank, N = ``n``: ``pipeline`` names its section (None: stock
+    DeepSpeed), ``method`` DeepSpeed's own cut; ``training_data`` for an "auto" engine's profile."""
+    import torch
+    import torch.distributed as dist
+
+    import deepspeed
+    import ds_chimera  # noqa: F401  (the "pipeline" switch)
+    from deepspeed.pipe import PipelineModule
+    cfg = {"train_batch_size": n * MICRO, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10 ** 9,
+           "gradient_clipping": 0.0, "optimizer": OPTIMIZER}
+    if pipeline is not None:
+        cfg["pipeline"] = pipeline
+    net = PipelineModule(layers=specs, num_stages=dist.get_world_size(), loss_fn=torch.nn.MSELoss(),
+                         partition_method=method)
+    engine, _, _, _ = deepspeed.initialize(model=net, config=cfg, training_data=training_data)
+    return engine
+
+
 def worker(args):
     import json
 
@@ -85,30 +111,22 @@ def worker(args):
 
     import deepspeed
     import ds_chimera  # noqa: F401  (the "pipeline" switch)
-    from deepspeed.pipe import LayerSpec, PipelineModule
     from torch.utils.data import TensorDataset
 
-    from ds_chimera.planner import Budget, Profile, Setting, plan
+    from ds_chimera.planner import Profile, Setting, plan
     from ds_chimera.wavelet.meter import SavedBytes
 
     share_one_device()
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    layer_cls = build_layer_classes()
-    specs = [LayerSpec(layer_cls, units, params, act) for _, units, params, act in LAYOUT]
+    layer_cls, specs = model_specs()
     data = TensorDataset(torch.randn(64, WIDTH), torch.randn(64, WIDTH))
     tmp = [tempfile.mkdtemp(prefix="dsc_plan_") if rank == 0 else None]
     dist.broadcast_object_list(tmp, src=0)
     rows = []
 
     def engine_for(n, pipeline=None, method="parameters", training_data=None):
-        cfg = {"train_batch_size": n * MICRO, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10 ** 9,
-               "gradient_clipping": 0.0, "optimizer": OPTIMIZER}
-        if pipeline is not None:
-            cfg["pipeline"] = pipeline
-        net = PipelineModule(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(), partition_method=method)
-        engine, _, _, _ = deepspeed.initialize(model=net, config=cfg, training_data=training_data)
-        return engine
+        return planned_engine(specs, n, pipeline, method, training_data)
 
     def stepper(engine, batch):
         return lambda: engine.train_batch(iter(batch))

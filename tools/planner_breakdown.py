@@ -41,7 +41,6 @@ def worker(args):
 
     import deepspeed
     import ds_chimera  # noqa: F401  (the "pipeline" switch)
-    from deepspeed.pipe import LayerSpec, PipelineModule
     from torch.utils.data import TensorDataset
 
     import planner as bench
@@ -58,16 +57,12 @@ def worker(args):
     share_one_device()
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    layer_cls = bench.build_layer_classes()
-    specs = [LayerSpec(layer_cls, units, params, act) for _, units, params, act in bench.LAYOUT]
+    layer_cls, specs = bench.model_specs()
     box = [tempfile.mkdtemp(prefix="dsc_planner_breakdown_") if rank == 0 else None]
     dist.broadcast_object_list(box, 0)
 
     def engine_for(pipeline, training_data=None):
-        cfg = {"train_batch_size": n * MICRO, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10 ** 9,
-               "gradient_clipping": 0.0, "optimizer": bench.OPTIMIZER, "pipeline": pipeline}
-        net = PipelineModule(layers=specs, num_stages=world, loss_fn=torch.nn.MSELoss(), partition_method="parameters")
-        return deepspeed.initialize(model=net, config=cfg, training_data=training_data)[0]
+        return bench.planned_engine(specs, n, pipeline, training_data=training_data)
 
     profile_file = os.path.join(box[0], "profile.json")
     engine_for({"schedule": "auto", "profile_file": profile_file},
