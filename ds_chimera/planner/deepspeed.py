@@ -22,7 +22,7 @@ import torch
 
 from ..logs import get_logger
 from ..named_files import load_json, read_named_file
-from ..runtime.tensors import to_device
+from ..tensor_tree import to_device
 from .memory import GIB
 from .optimizer_cost import measured_step_s
 from .profile import Profile, profile_layers

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import autograd_calls
-from ..runtime.tensors import map_tensors
+from ..tensor_tree import map_tensors
 
 PROFILE_VERSION = 1
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from ..tensor_tree import map_tensors, to_device  # noqa: F401  (the runtime's names for them)
+
 
 def as_tuple(x) -> tuple:
     """A chunk's input or output as a tuple: tuples and lists are unpacked, anything else wrapped."""
@@ -12,24 +14,6 @@ def as_tuple(x) -> tuple:
 def pack(tensors):
     """The inverse of :func:`as_tuple` for what a chunk receives: one tensor stays one tensor."""
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
-
-
-def map_tensors(x, fn):
-    """``x`` with ``fn`` applied to each of its tensors (inside tuples, lists and dicts too; a namedtuple keeps its
-    type)."""
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, (tuple, list)):
-        items = [map_tensors(t, fn) for t in x]
-        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
-    if isinstance(x, dict):
-        return {k: map_tensors(v, fn) for k, v in x.items()}
-    return x
-
-
-def to_device(x, device):
-    """``x`` with its tensors (inside tuples, lists and dicts too) on ``device``."""
-    return map_tensors(x, lambda t: t.to(device))
 
 
 def to_half(x):
