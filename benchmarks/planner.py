@@ -4,7 +4,7 @@
     python benchmarks/planner.py --quick    # N = 8, fewer repeats
     python benchmarks/planner.py --planning-time   # the search alone, D = 8 (N up to 64) and D = 64, N = 512
 
-Four CPU ranks (gloo). A timed model with unequal layers (``harness.TimedLayer`` sleeps for its
+Four CPU ranks (gloo; ``--ranks 2``: two, one per core of this host, so that no two ranks share a core). A timed model with unequal layers (``harness.TimedLayer`` sleeps for its
 cost, so 4 ranks on 2 cores measure schedules, not the cores): a light embedding with many
 parameters, 8 blocks of 1x and 2x cost, an LM head of 3x cost with a large activation; each
 layer saves real bytes for the backward. For each N:
@@ -289,6 +289,8 @@ def main():
     parser = benchmark_parser(__doc__)
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "planner_results.json"))
     parser.add_argument("--planning-time", action="store_true", help="time the search alone at D = 8 and 64")
+    parser.add_argument("--ranks", type=int, default=4, choices=(2, 4),
+                        help="pipeline stages, one rank each (2: no two ranks share a core of a 2-core host)")
     parser.add_argument("--confirm-repeats", type=int, default=9,
                         help="rounds of the head-to-head re-timing of the pick and the 3 fastest fitting rows")
     args = parser.parse_args()
@@ -298,11 +300,11 @@ def main():
     args.repeats = args.repeats or (3 if args.quick else 5)
     if args.worker:
         return worker(args)
-    print(f"4 ranks; layers {[(name, units) for name, units, _, _ in LAYOUT]} x {UNIT_S * 1e3:g} ms for F, I and W",
+    print(f"{args.ranks} ranks; layers {[(name, units) for name, units, _, _ in LAYOUT]} x {UNIT_S * 1e3:g} ms for F, I and W",
           flush=True)
     return report(launch(__file__, ["--repeats", args.repeats, "--confirm-repeats", args.confirm_repeats,
                                   "--micro-batches", *args.micro_batches], args.out,
-                         ("  N=", "  | ")), summarise)
+                         ("  N=", "  | "), nproc=args.ranks), summarise)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     python tools/planner_breakdown.py                  # Chimera zero-bubble, 2 pipelines, uniform cut, N = 8
     python tools/planner_breakdown.py --section '{"schedule": "zbv"}' --cut time
 
-Four CPU ranks (gloo), the timed model of ``benchmarks/planner.py`` (unequal layers). An ``"auto"`` engine profiles
+Four CPU ranks (gloo; ``--ranks``), the timed model of ``benchmarks/planner.py`` (unequal layers). An ``"auto"`` engine profiles
 the layers and measures the links inside ``deepspeed.initialize``, as the benchmark's; the planner's search then
 prices the candidate (``--section``'s schedule and options, ``--cut``'s layer cut). Two engines run that candidate,
 taking turns: one traced, one not (its median step is the measured one). Printed, in ms:
@@ -144,6 +144,7 @@ def main():
                         help="the candidate's schedule and options as JSON (default: %(default)s)")
     parser.add_argument("--cut", default="uniform", choices=("time", "parameters", "uniform"))
     parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--ranks", type=int, default=4, help="pipeline stages, one rank each (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "planner_breakdown.json"))
@@ -153,7 +154,8 @@ def main():
     if args.worker:
         return worker(args)
     return report(launch(__file__, ["--section", json.dumps(args.section), "--cut", args.cut, "--micro-batches",
-                                    args.micro_batches, "--repeats", args.repeats], args.out, ("  planner-breakdown",)))
+                                    args.micro_batches, "--repeats", args.repeats], args.out, ("  planner-breakdown",),
+                         nproc=args.ranks))
 
 
 if __name__ == "__main__":
