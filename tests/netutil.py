@@ -4,6 +4,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -45,26 +46,47 @@ def remove_deepspeed_shm() -> None:
                 pass
 
 
-def run_ranks(args: list, world: int, env: dict, timeout_s: float) -> tuple:
+def run_ranks(args: list, world: int, env: dict, timeout_s: float, exit_times: list | None = None) -> tuple:
     """Run ``python ARGS`` as ranks 0..world-1 of one gloo group, without torchrun.
 
     torchrun stops every rank when one dies; the fault tests need the survivors to fail on
-    their own. Returns ([(returncode, stdout, stderr)] per rank, seconds taken). If any rank
-    is still running after ``timeout_s``, all are killed and TimeoutError is raised.
+    their own. Returns ([(returncode, stdout, stderr)] per rank, seconds taken); ``exit_times``,
+    if given, receives each rank's ``time.time()`` at its exit. If any rank is still running
+    after ``timeout_s``, all are killed and TimeoutError is raised.
     """
-    port, procs = free_port(), []
+    port, procs, logs = free_port(), [], []
     for rank in range(world):
         rank_env = dict(os.environ, **env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                         LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, *args], env=rank_env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    start, outputs = time.monotonic(), []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise TimeoutError(f"a rank was still running after {timeout_s:g}s") from None
-        outputs.append((proc.returncode, out, err))
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")   # pipes could fill and block a rank
+        logs.append((out, err))
+        procs.append(subprocess.Popen([sys.executable, *args], env=rank_env, stdout=out, stderr=err, text=True))
+    start, ended = time.monotonic(), {}
+    try:
+        while len(ended) < world:
+            for rank, proc in enumerate(procs):
+                if rank not in ended and proc.poll() is not None:
+                    ended[rank] = time.time()
+            if time.monotonic() - start > timeout_s:
+                tails = []
+                for rank, (_, err) in enumerate(logs):
+                    err.seek(0)
+                    tails.append(f"--- rank {rank} stderr ---\n{err.read()[-2000:]}")
+                raise TimeoutError(f"ranks {sorted(set(range(world)) - set(ended))} still running after "
+                                   f"{timeout_s:g}s\n" + "\n".join(tails))
+            time.sleep(0.05)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    outputs = []
+    for proc, (out, err) in zip(procs, logs):
+        out.seek(0)
+        err.seek(0)
+        outputs.append((proc.returncode, out.read(), err.read()))
+        out.close()
+        err.close()
+    if exit_times is not None:
+        exit_times[:] = [ended[rank] for rank in range(world)]
     return outputs, time.monotonic() - start

@@ -75,6 +75,20 @@ def test_a_new_engine_after_a_caught_failure_starts_a_new_job_and_the_old_engine
     assert monitor.failure(1) is not None and monitor.start_new_job() == 2
 
 
+def test_an_error_every_rank_raises_together_is_not_published(monitor):
+    """Rank 0's profiling failure, broadcast and raised by every rank: the first rank to report it would
+    otherwise be named as its origin, and the job marked failed for an error each script may catch."""
+    from ds_chimera.agreed import on_every_rank
+    with pytest.raises(ValueError, match="failed on rank 0"):
+        with monitor.guard("profiling"):
+            raise on_every_rank(ValueError('"schedule": "auto" failed on rank 0 while profiling the layers'))
+    assert monitor.failed is None and monitor.failure() is None
+    with monitor.guard("train_batch", 0):          # the job goes on
+        pass
+    fail_in_guard(monitor, 0)                      # an unmarked error is still published
+    assert monitor.failure()["message"].startswith("RuntimeError: boom")
+
+
 def test_a_failure_read_from_the_store_is_recovered_from_too(monitor):
     """A rank that had not yet heard of the failure when its script built the new engine."""
     monitor.store.set("failed/0", json.dumps({"origin": 3, "message": "X", "reporter": 3, "kind": "raised"}))

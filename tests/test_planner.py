@@ -413,3 +413,54 @@ def test_a_namedtuple_input_is_profiled_as_given():
     profile = profile_sequential([TakesPair(), nn.Tanh()], Pair(torch.randn(2, 8), torch.randn(2, 8)),
                                  loss=lambda out: out.sum())
     assert profile.layers[0].params == 8 * 8 + 8 and profile.layers[0].fwd > 0
+
+
+class _OneRankOfFour:
+    """torch.distributed's calls ``_on_rank0_for_all`` makes, as rank ``rank`` sees them: rank 0's broadcast
+    result is ``sent`` (None: the broadcast must not be reached)."""
+
+    def __init__(self, rank, sent=None):
+        self.rank, self.sent, self.broadcasts = rank, sent, 0
+
+    def get_rank(self):
+        return self.rank
+
+    def broadcast_object_list(self, box, src):
+        assert self.sent is not None, "a rank whose profiling peers are stranded waited for the broadcast"
+        self.broadcasts += 1
+        if self.rank != src:
+            box[0] = self.sent
+
+
+def _fails():
+    raise RuntimeError("layer 3 broke")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_profiling_rank_that_strands_its_tensor_peers_raises_at_once_for_the_fault_guard(rank):
+    """With a tensor group, the profilers run collectives together: one that fails must not wait for a broadcast
+    its stranded peers never reach; it raises its own error, unmarked, so the runtime's guard spreads it."""
+    from ds_chimera.agreed import raised_on_every_rank
+    from ds_chimera.planner.deepspeed import _on_rank0_for_all
+    with pytest.raises(ValueError, match=f"failed on rank {rank} while profiling the layers: RuntimeError: layer 3 "
+                                         "broke") as caught:
+        _on_rank0_for_all(_fails, "profiling the layers", _OneRankOfFour(rank), also=[0, 1], together=True)
+    assert not raised_on_every_rank(caught.value)
+
+
+def test_rank0s_failure_alone_is_broadcast_and_raised_on_every_rank_as_agreed():
+    from ds_chimera.agreed import raised_on_every_rank
+    from ds_chimera.planner.deepspeed import _on_rank0_for_all
+    mine = _OneRankOfFour(0, sent="unused")
+    with pytest.raises(ValueError, match="failed on rank 0 while planning") as on_rank0:
+        _on_rank0_for_all(_fails, "planning", mine)
+    assert mine.broadcasts == 1 and raised_on_every_rank(on_rank0.value)
+    error = {"error": '"schedule": "auto" failed on rank 0 while planning: RuntimeError: layer 3 broke'}
+    with pytest.raises(ValueError, match="failed on rank 0 while planning") as elsewhere:
+        _on_rank0_for_all(_fails, "planning", _OneRankOfFour(2, sent=error))
+    assert raised_on_every_rank(elsewhere.value)
+    # a tensor peer's failure without collectives between the profilers: raised after the broadcast, on it alone
+    peer = _OneRankOfFour(1, sent={"layers": []})
+    with pytest.raises(ValueError, match="failed on rank 1 while taking the first") as on_peer:
+        _on_rank0_for_all(_fails, "taking the first micro-batch", peer, also=[0, 1])
+    assert peer.broadcasts == 1 and not raised_on_every_rank(on_peer.value)

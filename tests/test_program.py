@@ -243,7 +243,7 @@ LAYERS = {   # package -> ds_chimera packages it must not import
     # the planner prices with the simulator and reads the schedules; the entry points call it
     "planner": {"runtime", "integrations", "megatron", "hf", "wavelet"},
 }
-LEAVES = ("validation.py", "atomic.py", "logs.py", "autograd_calls.py", "tensor_tree.py")
+LEAVES = ("validation.py", "atomic.py", "logs.py", "autograd_calls.py", "tensor_tree.py", "agreed.py")
 # the one timing model sits between the schedules' IR and the schedule builders that search orders with it
 SIMULATOR_IR = {"schedules.actions", "schedules.costs", "schedules.lowering", "schedules.placement"}
 

@@ -109,12 +109,17 @@ def _initialize_pipeline(original, call: dict, pipeline, loaded: dict, profile_b
     deferred = None
     if pipeline.planned:      # "schedule": "auto": profile the layers on the first micro-batch, plan, then go on
         from ..planner.deepspeed import resolve
+        from ..runtime import faults
         from ..runtime.host_cost import measure_dispatch
-        planned = resolve(model, pipeline, loaded, call.get("training_data"), call.get("collate_fn"), optimizer,
-                          micro_batch=profile_batch, defer=True, host_cost=measure_dispatch)
+        # a rank's failure while profiling (a tensor rank's, in a collective with rank 0) ends every rank
+        epoch = faults.start_new_job(pipeline.timeout_s)
+        with faults.guard('"schedule": "auto" (profiling and planning in deepspeed.initialize)', pipeline.timeout_s,
+                          epoch):
+            planned = resolve(model, pipeline, loaded, call.get("training_data"), call.get("collate_fn"), optimizer,
+                              micro_batch=profile_batch, defer=True, host_cost=measure_dispatch)
         if planned is None:   # no data until the first train_batch: plan there (planner/deferred.py)
             from ..planner.deferred import DeferredPlan
-            deferred = DeferredPlan(None, pipeline, loaded, optimizer, host_cost=measure_dispatch)
+            deferred = DeferredPlan(None, pipeline, loaded, optimizer, host_cost=measure_dispatch, guard=faults.guard)
             planned = DeferredPlan.provisional(model, pipeline)
         pipeline = planned
     # the provisional engine leaves the random streams as it found them (planner/deferred.py)

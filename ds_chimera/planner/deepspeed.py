@@ -10,6 +10,10 @@ micro-batch (with its tensor group, on a tensor-parallel topology: each tensor r
 profile is rank 0's, per tensor rank); every rank then measures the links with its neighbours; rank 0 plans and sends the
 chosen ``"pipeline"`` section to every rank, so all build the same schedule, options and cut.
 The result is exactly what naming that section by hand runs (``plan_file`` writes it).
+
+A failure on one rank while it profiles, measures or plans is raised on every rank where they agree on it
+(rank 0's, broadcast); otherwise (a tensor rank's, a neighbour's in the links) the caller runs this under
+the runtime's fault guard, which ends every rank within seconds, naming the rank it came from.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import os
 
 import torch
 
+from ..agreed import on_every_rank
 from ..logs import get_logger
 from ..named_files import load_json, read_named_file
 from ..tensor_tree import to_device
@@ -87,7 +92,8 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
             step_s = measured_step_s(config, optimizer, [layer.params for layer in measured.layers], stages, device)
             return dataclasses.replace(measured, optimizer_step_s=step_s,
                                        meta={**measured.meta, "optimizer_step_stages": stages}).to_json()
-        profile = Profile.from_json(_on_rank0_for_all(profiled, "profiling the layers", dist, also=profilers))
+        profile = Profile.from_json(_on_rank0_for_all(profiled, "profiling the layers", dist, also=profilers,
+                                                      together=len(profilers) > 1))
     # the first data-parallel copy's (and tensor rank's) first two stages, the same two ranks on every rank: the
     # pair's group is created by every rank with the same members (each copy naming its own pair made groups
     # whose members differed between ranks under one name: a rendezvous that could pair the wrong ranks and hang)
@@ -145,30 +151,41 @@ def _around_layers(host_cost, layers):
                              busy_s=min(max(fwd - idle, 0.0), BUSY_CAP_S))
 
 
-def _on_rank0_for_all(work, what: str, dist, also=(0,)):
+def _on_rank0_for_all(work, what: str, dist, also=(0,), together: bool = False):
     """``work()`` on rank 0, its result sent to every rank; its failure (or an ``{"error": ...}`` result) is
-    raised on every rank, not only on rank 0 while the others wait for the result. ``also``: the ranks that run
-    ``work()`` with rank 0 (its tensor group, when the work runs tensor-parallel layers); rank 0's result counts."""
+    raised on every rank (marked :func:`~ds_chimera.agreed.on_every_rank`), not only on rank 0 while the others
+    wait for the result. ``also``: the ranks that run ``work()`` with rank 0 (its tensor group, when the work runs
+    tensor-parallel layers); rank 0's result counts. ``together``: those ranks run collectives with each other
+    inside ``work()``, so one that fails leaves its peers waiting in a collective it never joins, and they never
+    reach the broadcast: its failure is raised at once, on it alone, for the caller's fault guard
+    (``runtime.faults``) to end every rank within seconds, naming it."""
+    rank = dist.get_rank()
     out, mine = [None], None
-    if dist.get_rank() != 0 and dist.get_rank() in also:
+    if rank != 0 and rank in also:
         try:
             work()
         except Exception as exc:        # noqa: BLE001  (raised below, unless rank 0 reports a failure for all)
+            if together:
+                raise ValueError(_failed(rank, what, exc)) from exc
             mine = exc
-    if dist.get_rank() == 0:
+    if rank == 0:
         try:
             out[0] = work()
         except Exception as exc:         # noqa: BLE001  (re-raised below, on every rank)
-            out[0] = {"error": f'"schedule": "auto" failed on rank 0 while {what}: {type(exc).__name__}: {exc}',
-                      "raised": exc}
+            if together and len(also) > 1:
+                raise ValueError(_failed(rank, what, exc)) from exc
+            out[0] = {"error": _failed(rank, what, exc), "raised": exc}
     shared = [{k: v for k, v in out[0].items() if k != "raised"} if isinstance(out[0], dict) else out[0]]
     dist.broadcast_object_list(shared, src=0)
     if isinstance(shared[0], dict) and "error" in shared[0]:
-        raise ValueError(shared[0]["error"]) from (out[0] or {}).get("raised")
-    if mine is not None:
-        raise ValueError(f'"schedule": "auto" failed on rank {dist.get_rank()} while {what}: '
-                         f"{type(mine).__name__}: {mine}") from mine
+        raise on_every_rank(ValueError(shared[0]["error"])) from (out[0] or {}).get("raised")
+    if mine is not None:                 # this rank's alone: the caller's fault guard ends the others
+        raise ValueError(_failed(rank, what, mine)) from mine
     return shared[0]
+
+
+def _failed(rank: int, what: str, exc: BaseException) -> str:
+    return f'"schedule": "auto" failed on rank {rank} while {what}: {type(exc).__name__}: {exc}'
 
 
 ON_RANK0 = ("the micro-batch", "rank 0 profiles")   # resolve(micro_batch=) on ranks other than 0, deferred planning

@@ -28,6 +28,8 @@ or scheduler DeepSpeed builds from the config is built anew: read them from the 
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..logs import get_logger
@@ -41,12 +43,13 @@ CARRIED = ("batch_fn", "training_dataloader", "monitor", "data_post_process_func
 class DeferredPlan:
     """What the first ``train_batch`` / ``eval_batch`` needs to plan and rebuild (see the module's text)."""
 
-    def __init__(self, build, pipeline, config: dict, optimizer, host_cost=None):
+    def __init__(self, build, pipeline, config: dict, optimizer, host_cost=None, guard=None):
         self.build = build              # pipeline config -> (engine, optimizer, loader, scheduler), initialize's rest
         self.pipeline = pipeline        # the "auto" section, with its options
         self.config = config
         self.optimizer = optimizer      # the script's optimizer argument (for the planner's state bytes)
         self.host_cost = host_cost      # the runtime's host time per action, measured with the links
+        self.guard = guard              # the runtime's fault guard (runtime.faults.guard): a rank's failure ends all
         self.loads = []                 # load_checkpoint calls made on the provisional engine, replayed
 
     @staticmethod
@@ -78,12 +81,18 @@ class DeferredPlan:
                                  f"{type(batch).__name__}")
             first[0] = batch
             return {"ok": True}
-        _on_rank0_for_all(take_first, "taking the first micro-batch to profile", dist, also=profilers)
-        micro_batch = first[0] if dist.get_rank() in profilers else ON_RANK0
-        if dist.get_rank() == 0:
-            log.info("schedule auto: planning at the first call, on its first micro-batch")
-        pipeline = resolve(engine.module, self.pipeline, self.config, optimizer=self.optimizer,
-                           micro_batch=micro_batch, host_cost=self.host_cost)
+        # a rank's failure here (a tensor rank's, in a collective with rank 0) ends every rank (runtime.faults)
+        guard = self.guard('"schedule": "auto" (profiling and planning at the first call)', self.pipeline.timeout_s,
+                           engine._fault_epoch) if self.guard is not None else contextlib.nullcontext()
+        with guard:
+            # the batch_fn of a tensor rank fed by tensor rank 0 receives its batch in a collective
+            _on_rank0_for_all(take_first, "taking the first micro-batch to profile", dist, also=profilers,
+                              together=fed_by_tensor_rank0)
+            micro_batch = first[0] if dist.get_rank() in profilers else ON_RANK0
+            if dist.get_rank() == 0:
+                log.info("schedule auto: planning at the first call, on its first micro-batch")
+            pipeline = resolve(engine.module, self.pipeline, self.config, optimizer=self.optimizer,
+                               micro_batch=micro_batch, host_cost=self.host_cost)
         self._rebuild(engine, pipeline, iterator)
         if first[0] is not None:
             engine._pending_batches.append(first[0])       # the profiled micro-batch is the call's first

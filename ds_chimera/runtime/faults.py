@@ -47,6 +47,7 @@ import time
 import weakref
 from datetime import timedelta
 
+from ..agreed import raised_on_every_rank
 from ..logs import get_logger
 from .bounded_store import BoundedStore, StoreUnresponsive
 from .exit_codes import flush_and_exit, record_exit_codes, requested_exit_code
@@ -167,7 +168,8 @@ class FaultMonitor:
     # ---- guarding a rank's work ---------------------------------------------------------------
     @contextlib.contextmanager
     def guard(self, what: str, epoch: int | None = None, rebuild: str = REBUILD_ENGINE):
-        """Run a unit of work; an exception is published (with its real origin) before it propagates.
+        """Run a unit of work; an exception is published (with its real origin) before it propagates,
+        unless every rank raises it together (:func:`ds_chimera.agreed.on_every_rank`).
         Once the job has failed, the work does not start: :class:`JobFailed` names the origin.
         ``epoch``: the job of the engine doing the work; an engine of an earlier job never runs again
         (``rebuild``: how the caller gets a new one)."""
@@ -187,6 +189,8 @@ class FaultMonitor:
                 raise
             if isinstance(exc, JobFailed):
                 self.delivered = True
+                raise
+            if raised_on_every_rank(exc):    # every rank raises it already: nothing to spread, no origin to name
                 raise
             record = self._report(exc, what)
             self.failed_here = True
