@@ -222,6 +222,29 @@ def test_dead_rank_stops_the_others_with_a_clear_error():
         assert "ds_chimera: rank 3 failed: " in err, err[-3000:]      # the dead rank is named, not a neighbour
 
 
+def test_a_failure_while_auto_measures_the_links_ends_every_rank_naming_it():
+    """Megatron's "auto" measures the links on every rank after its first call: rank 2 failing there (its script
+    going on) leaves the others in the measurement's collectives; the fault guard ends them within seconds."""
+    exit_times = []
+    try:
+        outputs, _ = run_ranks([WORKER, "auto-fault", "2"], 4, _env(), timeout_s=240, exit_times=exit_times)
+    except TimeoutError as exc:
+        pytest.fail(f"a rank hung after rank 2 failed while the links were measured: {exc}")
+    fault_at = float(next(line for line in outputs[2][1].splitlines() if line.startswith("auto-fault at")).split()[-1])
+    assert "injected failure on rank 2" in outputs[2][1] and outputs[2][0] == 0, outputs[2][1][-2000:]
+    for rank in (0, 1, 3):
+        code, out, err = outputs[rank]
+        assert "finished the step" not in out
+        caught = [line for line in out.splitlines() if line.startswith("auto-fault caught at")]
+        if caught:       # the measurement's collective broke: the call raised JobFailed naming rank 2
+            assert "JobFailed: ds_chimera: rank 2 failed: " in caught[0], caught[0]
+            ended = float(caught[0].split()[3].rstrip(":"))
+        else:            # stranded: the monitor ended the process, naming rank 2
+            assert code != 0 and "ds_chimera: rank 2 failed: " in err, err[-3000:]
+            ended = exit_times[rank]
+        assert ended - fault_at <= 10.0, f"rank {rank} ended {ended - fault_at:.1f}s after the failure\n{err[-2000:]}"
+
+
 def test_bad_schedule_names_and_options_fail_before_any_work():
     from ds_chimera.megatron import get_forward_backward_func
     with pytest.raises(ValueError, match="unknown schedule 'chimera2'. Did you mean 'chimera'\\? Available: .*chimera"):

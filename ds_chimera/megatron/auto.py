@@ -28,6 +28,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from ..agreed import on_every_rank
 from ..config import PipelineConfig
 from ..logs import get_logger
 from ..planner.profile import LayerCost, Profile
@@ -153,8 +154,10 @@ class AutoRunner:
             runner.trace_next = True
             result = runner(**kwargs)
             self.fixed = rank_stages(runner.last_schedule.placement)
-            self.profile = self._measure(runner, chunks, group, size, n)
-            self._decision(size, n)                  # planned now, so the report follows the first step
+            # collectives on every rank: one rank's failure in them ends every rank, naming it (runtime/faults.py)
+            with runner.guard("schedule auto (Megatron): the profile of the first call, the links and the plan"):
+                self.profile = self._measure(runner, chunks, group, size, n)
+                self._decision(size, n)              # planned now, so the report follows the first step
             return result
         return self._runner(self._decision(size, n))(**kwargs)
 
@@ -193,7 +196,7 @@ class AutoRunner:
     # ---- profile ---------------------------------------------------------------------------
     def _measure(self, runner, chunks, group, size: int, n: int) -> Profile:
         """The stages' costs from the timed call, gathered to every rank; the links measured by all."""
-        from ..planner.deepspeed import _local_ranks
+        from ..planner.deepspeed import _local_ranks, _on_rank0_for_all
         from ..planner.links import measure_links
         schedule = runner.last_schedule
         placement = schedule.placement
@@ -203,8 +206,8 @@ class AutoRunner:
                 "sent": sent_bytes(runner.p2p)}
         gathered = [None] * size
         dist.all_gather_object(gathered, mine, group=group)
-        payload = [None]
-        if dist.get_rank() == 0:
+
+        def stages_profile() -> dict:
             times: dict = {}
             params: dict = {}
             for part in gathered:
@@ -214,10 +217,10 @@ class AutoRunner:
                 params.update(part["params"])
             out_bytes = max(part["sent"] for part in gathered)
             layers = tuple(stage_cost(s, times[s], *params[s], out_bytes) for s in range(placement.num_stages))
-            payload[0] = Profile(layers, micro_batch_size=1, device=str(chunks_device(chunks)),
-                                 meta={"profiled_with": self.layout.schedule, "micro_batches": n}).to_json()
-        dist.broadcast_object_list(payload, src=0)
-        profile = Profile.from_json(payload[0])
+            return Profile(layers, micro_batch_size=1, device=str(chunks_device(chunks)),
+                           meta={"profiled_with": self.layout.schedule, "micro_batches": n}).to_json()
+        # rank 0's failure is raised on every rank (the others would wait for the profile until the timeout)
+        profile = Profile.from_json(_on_rank0_for_all(stages_profile, "building the stages' profile", dist))
         ranks = _group_ranks(group)
         stage_fwd = sum(layer.fwd for layer in profile.layers) / max(1, size)
         first = [None]
@@ -259,8 +262,8 @@ class AutoRunner:
         result.notes.append("Megatron's chunks are built: every candidate holds the same weights, so memory is "
                             "compared in micro-batches of activations (their bytes are not measured here)")
         report = result.report()
-        if result.chosen is None:
-            raise ValueError(f"schedule auto on Megatron: {result.why_nothing()}")
+        if result.chosen is None:     # every rank plans the same profile: every rank raises it
+            raise on_every_rank(ValueError(f"schedule auto on Megatron: {result.why_nothing()}"))
         advice = placement_advice(profile, setting, Budget(max_activations=limit), result.chosen, fixed, w_measured)
         self.advice[(size, n)] = advice
         if advice is not None:

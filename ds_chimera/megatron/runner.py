@@ -117,7 +117,7 @@ class ScheduleRunner:
         # who failed, through a bounded wait (a dead peer is named, not waited on), then the texts if any did
         flags = torch.zeros(size, device=chunks_device(chunks))
         flags[self.rank] = 0.0 if mine is None else 1.0
-        with self._guard("the check of every rank's model chunks"):
+        with self.guard("the check of every rank's model chunks"):
             wait_or_fail(lambda: dist.all_reduce(flags, group=group, async_op=True), self.timeout_s,
                          "the check of every rank's model chunks")
         if flags.sum().item() == 0:
@@ -152,7 +152,8 @@ class ScheduleRunner:
         """The process groups a failure must break to end this runner's waits (runtime/faults.py)."""
         return list(getattr(self, "_fault_groups", [])) + _megatron_groups()
 
-    def _guard(self, what: str):
+    def guard(self, what: str):
+        """Work on this runner's job whose failure must end every rank (runtime/faults.py)."""
         return faults.guard(what, self.timeout_s, self.epoch, rebuild=REBUILD_GROUPS)
 
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
@@ -199,7 +200,7 @@ class ScheduleRunner:
             scale = config.grad_scale_func(torch.ones(1, device=device))
         step.grad_scale = scale
         self.last_schedule = schedule
-        with self._guard(f"forward_backward_func ({self.name}, {'train' if train else 'forward only'})"):
+        with self.guard(f"forward_backward_func ({self.name}, {'train' if train else 'forward only'})"):
             return self._run(step, program if train else eval_program, train, scale, config, chunks, shared,
                              placement, group, device, pg_collection, force_all_reduce)
 

@@ -490,11 +490,47 @@ def run_dead_rank(timeout_s: float):
     print("finished the step", flush=True)
 
 
+def run_auto_fault(victim: int) -> None:
+    """"auto": after the first (timed) call every rank measures the links; ``victim`` fails in that measurement, and
+    its script goes on after catching it (so its process's end is not what frees the others). Each rank prints what
+    its call raised, with the time; the victim's failure time comes first."""
+    import time
+
+    import ds_chimera.planner.links as links
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=4)
+    measured = links.measure_links
+
+    def failing(*args, **kwargs):
+        if dist.get_rank() == victim:
+            print(f"auto-fault at {time.time()}", flush=True)
+            raise RuntimeError(f"injected failure on rank {victim} while the links are measured")
+        return measured(*args, **kwargs)
+    links.measure_links = failing
+    fb = dsm.get_forward_backward_func("auto", timeout=30)
+    chunks = dsm.build_model_chunks(provider_for(gpt_config(4, None)), "auto")
+    batches = [micro_batch(0, mb) for mb in range(N)]
+    try:
+        fb(forward_step_func=forward_step_for(2), data_iterator=iter(batches), model=chunks, num_microbatches=N,
+           seq_length=SEQ, micro_batch_size=MBS)
+    except Exception as exc:      # noqa: BLE001  (what the script sees)
+        print(f"auto-fault caught at {time.time()}: {type(exc).__name__}: {exc}"[:600], flush=True)
+        if dist.get_rank() == victim:
+            time.sleep(8.0)       # beyond the others' end (the monitor's DELIVER_S, the store host's grace)
+        return
+    print("finished the step", flush=True)
+
+
 def main():
     if sys.argv[1] == "dead":
         dist.init_process_group("gloo")
         dsm.enable_cpu()
         run_dead_rank(float(sys.argv[2]))
+        return
+    if sys.argv[1] == "auto-fault":
+        dist.init_process_group("gloo")
+        dsm.enable_cpu()
+        run_auto_fault(int(sys.argv[2]))
         return
     out_dir = sys.argv[1]
     dist.init_process_group("gloo")
