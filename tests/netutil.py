@@ -75,6 +75,11 @@ def run_ranks(args: list, world: int, env: dict, timeout_s: float, exit_times: l
                 raise TimeoutError(f"ranks {sorted(set(range(world)) - set(ended))} still running after "
                                    f"{timeout_s:g}s\n" + "\n".join(tails))
             time.sleep(0.05)
+    except BaseException:
+        for out, err in logs:
+            out.close()
+            err.close()
+        raise
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -243,6 +243,7 @@ def test_a_failure_while_auto_measures_the_links_ends_every_rank_naming_it():
             assert code != 0 and "ds_chimera: rank 2 failed: " in err, err[-3000:]
             ended = exit_times[rank]
         assert ended - fault_at <= 10.0, f"rank {rank} ended {ended - fault_at:.1f}s after the failure\n{err[-2000:]}"
+        assert ended < exit_times[2], f"rank {rank} was freed by rank 2's process ending, not told\n{err[-2000:]}"
 
 
 def test_bad_schedule_names_and_options_fail_before_any_work():

@@ -464,3 +464,17 @@ def test_rank0s_failure_alone_is_broadcast_and_raised_on_every_rank_as_agreed():
     with pytest.raises(ValueError, match="failed on rank 1 while taking the first") as on_peer:
         _on_rank0_for_all(_fails, "taking the first micro-batch", peer, also=[0, 1])
     assert peer.broadcasts == 1 and not raised_on_every_rank(on_peer.value)
+
+
+def test_a_profile_file_is_read_on_rank0_and_sent_to_every_rank(tmp_path):
+    """Other nodes may not see the file: a rank that cannot gets rank 0's profile (it profiled nothing itself)."""
+    from ds_chimera.planner.deepspeed import _saved_profile
+    profile = Profile((LayerCost("l0", 1e-3, 2e-3, 1e-3, 100, 100, 400, 100),), Links(p2p_latency_s=1e-4))
+    path = tmp_path / "profile.json"
+    profile.save(str(path))
+    rank0 = _OneRankOfFour(0, sent="unused")
+    assert _saved_profile(str(path), rank0).layers == profile.layers and rank0.broadcasts == 1
+    elsewhere = _OneRankOfFour(2, sent={"profile": profile.to_json()})
+    assert _saved_profile(str(tmp_path / "not-on-this-node.json"), elsewhere).layers == profile.layers
+    assert _saved_profile(str(tmp_path / "none.json"), _OneRankOfFour(0, sent="unused")) is None
+    assert _saved_profile(None, _OneRankOfFour(3)) is None        # no file named: nothing read, nothing sent

@@ -61,3 +61,5 @@ def test_a_failure_while_auto_profiles_ends_every_rank_naming_it(victim, fault, 
             ended = exit_times[rank]
         assert ended - fault_at <= BOUND_S, f"rank {rank} ended {ended - fault_at:.1f}s after the fault (bound " \
                                             f"{BOUND_S:g}s)\n{log[-3000:]}"
+        if fault == "raise":      # not freed by the victim's process ending (its script goes on for LINGER_S)
+            assert ended < exit_times[victim], f"rank {rank} ended only after the victim's process\n{log[-3000:]}"

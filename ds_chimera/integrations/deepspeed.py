@@ -113,10 +113,12 @@ def _initialize_pipeline(original, call: dict, pipeline, loaded: dict, profile_b
         from ..runtime.host_cost import measure_dispatch
         # a rank's failure while profiling (a tensor rank's, in a collective with rank 0) ends every rank
         epoch = faults.start_new_job(pipeline.timeout_s)
-        with faults.guard('"schedule": "auto" (profiling and planning in deepspeed.initialize)', pipeline.timeout_s,
-                          epoch):
-            planned = resolve(model, pipeline, loaded, call.get("training_data"), call.get("collate_fn"), optimizer,
-                              micro_batch=profile_batch, defer=True, host_cost=measure_dispatch)
+
+        def guard():
+            return faults.guard('"schedule": "auto" (profiling and planning in deepspeed.initialize)',
+                                pipeline.timeout_s, epoch)
+        planned = resolve(model, pipeline, loaded, call.get("training_data"), call.get("collate_fn"), optimizer,
+                          micro_batch=profile_batch, defer=True, host_cost=measure_dispatch, guard=guard)
         if planned is None:   # no data until the first train_batch: plan there (planner/deferred.py)
             from ..planner.deferred import DeferredPlan
             deferred = DeferredPlan(None, pipeline, loaded, optimizer, host_cost=measure_dispatch, guard=faults.guard)

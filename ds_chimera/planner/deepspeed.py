@@ -17,6 +17,7 @@ the runtime's fault guard, which ends every rank within seconds, naming the rank
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -40,7 +41,7 @@ OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "fusedadam": 8, "cpuadam": 8, "l
 
 
 def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None, optimizer=None, micro_batch=None,
-            defer: bool = False, host_cost=None):
+            defer: bool = False, host_cost=None, guard=None):
     """The PipelineConfig with ``auto`` replaced by the planner's choice (every rank, same answer).
 
     ``micro_batch``: the (inputs, labels) pair to profile on, instead of the first micro-batch of
@@ -49,11 +50,14 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
     ``train_batch`` (:mod:`.deferred`). ``host_cost``: the runtime's measurement of its host time per compute
     action (``runtime.host_cost.measure_dispatch``, or a callable taking its ``rounds``, ``idle_s`` and ``busy_s``
     keywords), taken with the links (:func:`.links.measure_links`) on CPU ranks, around layers shaped as the
-    model's where they leave the core idle (:func:`_around_layers`)."""
+    model's where they leave the core idle (:func:`_around_layers`). ``guard``: a callable returning the runtime's
+    fault guard (``runtime.faults``), which the steps whose collectives a failure on one rank would strand run in;
+    an error every rank raises together is raised outside it, or marked (:mod:`ds_chimera.agreed`)."""
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
     from .links import measure_links
+    guard = guard or contextlib.nullcontext
     options = dict(pipeline.options)
     rank = dist.get_rank()
     reused = _saved_plan(options.get("plan_file"), dist)
@@ -67,11 +71,13 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
     profilers = profiling_ranks(grid)
     device = torch.device(get_accelerator().device_name(module.local_rank))
     micro_batches = pipeline.batch.micro_batches(dp)
+    setting = Setting(stages=stages, micro_batches=micro_batches, data_parallel=dp, precision=pipeline.precision,
+                      tensor_parallel=grid.get_slice_parallel_world_size(),
+                      zero=pipeline.zero_stage, checkpoint_interval=pipeline.checkpoint_interval(module.activation_checkpoint_interval),
+                      allow_asynchronous=bool(options.get("allow_asynchronous")))
     profile_file = options.get("profile_file")
-    profile = None
-    if profile_file and os.path.exists(profile_file):
-        profile = read_named_file('"pipeline": profile_file', profile_file, Profile.load,
-                                  "delete it to profile again, or name a profile an earlier run of this model wrote")
+    profile = _saved_profile(profile_file, dist)
+    if profile is not None:
         if profile.num_layers != len(module._layer_specs):
             raise ValueError(f'"pipeline": profile_file {profile_file!r} profiles {profile.num_layers} layers; this '
                              f"PipelineModule has {len(module._layer_specs)}: delete it to profile again")
@@ -81,19 +87,34 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
         raise ValueError('"schedule": "auto" times your layers on a micro-batch of your data: pass training_data to '
                          "deepspeed.initialize (as DeepSpeed's pipeline examples do), or name a profile_file or "
                          "plan_file an earlier run wrote, or name a schedule")
-    if profile is None:
+    measured_now = profile is None
+    if measured_now:
+        taken = {}
+
+        def take_micro_batch():     # the data's errors: rank 0's, raised on every rank
+            if micro_batch is not None:
+                taken["batch"] = (to_device(micro_batch[0], device), to_device(micro_batch[1], device))
+            else:
+                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the loader's draws
+                    taken["batch"] = first_micro_batch(training_data, collate_fn, _micro_batch_size(pipeline, dp),
+                                                       device)
+            return {"ok": True}
+
         def profiled():
             if rank == 0:
                 log.info("schedule auto: profiling %d layers on %s%s", len(module._layer_specs), device,
                          f" with tensor ranks {profilers}" if len(profilers) > 1 else "")
-            measured = profile_module(module, training_data, collate_fn, pipeline, dp, device,
-                                      _optimizer_state_bytes(config, optimizer), micro_batch,
+            measured = profile_module(module, taken["batch"], pipeline, dp, device,
+                                      _optimizer_state_bytes(config, optimizer),
                                       agree=_agree_in_tensor_group(grid, device) if len(profilers) > 1 else None)
             step_s = measured_step_s(config, optimizer, [layer.params for layer in measured.layers], stages, device)
             return dataclasses.replace(measured, optimizer_step_s=step_s,
                                        meta={**measured.meta, "optimizer_step_stages": stages}).to_json()
-        profile = Profile.from_json(_on_rank0_for_all(profiled, "profiling the layers", dist, also=profilers,
-                                                      together=len(profilers) > 1))
+        with guard():
+            _on_rank0_for_all(take_micro_batch, "taking the first micro-batch to profile", dist, also=profilers)
+            # the tensor group's layers run collectives together: a failure strands the peers (see the function)
+            profile = Profile.from_json(_on_rank0_for_all(profiled, "profiling the layers", dist, also=profilers,
+                                                          together=len(profilers) > 1))
     # the first data-parallel copy's (and tensor rank's) first two stages, the same two ranks on every rank: the
     # pair's group is created by every rank with the same members (each copy naming its own pair made groups
     # whose members differed between ranks under one name: a rendezvous that could pair the wrong ranks and hang)
@@ -102,22 +123,21 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
     big = max(max(layer.output_bytes for layer in profile.layers), 1 << 20)
     grads = max(sum(layer.param_bytes for layer in profile.layers) // max(1, stages), 1 << 20)
     stage_fwd = sum(layer.fwd for layer in profile.layers) / max(1, stages)
-    links = measure_links(dist, first, second, grid.get_data_parallel_group(), device, big_bytes=big, reduce_bytes=grads,
-                          idle_s=min(max(stage_fwd, 1e-3), 0.05),
-                          same_host=_local_ranks() >= 2,
-                          pipe_group=grid.get_pipe_parallel_group() if dp == 1 else None,
-                          # on an accelerator the host runs ahead of the kernels it launches: its time per action
-                          # is on the step's path only when kernels are short, which is not modelled (no GPU lent)
-                          host_cost=_around_layers(host_cost, profile.layers) if device.type == "cpu" else None)
+    with guard():
+        links = measure_links(dist, first, second, grid.get_data_parallel_group(), device, big_bytes=big,
+                              reduce_bytes=grads, idle_s=min(max(stage_fwd, 1e-3), 0.05),
+                              same_host=_local_ranks() >= 2,
+                              pipe_group=grid.get_pipe_parallel_group() if dp == 1 else None,
+                              # on an accelerator the host runs ahead of the kernels it launches: its time per action
+                              # is on the step's path only when kernels are short, which is not modelled (no GPU lent)
+                              host_cost=_around_layers(host_cost, profile.layers) if device.type == "cpu" else None)
+        memory_bytes = _memory_budget(options, device, dist)
     profile = dataclasses.replace(profile, links=links)
-    if rank == 0 and profile_file and not os.path.exists(profile_file):
-        profile.save(profile_file)
-    setting = Setting(stages=stages, micro_batches=micro_batches, data_parallel=dp, precision=pipeline.precision,
-                      tensor_parallel=grid.get_slice_parallel_world_size(),
-                      zero=pipeline.zero_stage, checkpoint_interval=pipeline.checkpoint_interval(module.activation_checkpoint_interval),
-                      allow_asynchronous=bool(options.get("allow_asynchronous")))
-    budget = Budget(memory_bytes=_memory_budget(options, device, dist), max_activations=options.get("max_activations"))
+    budget = Budget(memory_bytes=memory_bytes, max_activations=options.get("max_activations"))
+
     def planned():
+        if measured_now and profile_file:
+            profile.save(profile_file)
         result = plan(profile, setting, budget)
         log.info("schedule auto:\n%s", result.report())
         if result.chosen is None:
@@ -128,8 +148,25 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
             from ..atomic import write_text_atomic
             write_text_atomic(options["plan_file"], json.dumps({"pipeline": chosen["pipeline"]}, indent=1) + "\n")
         return chosen
-    decided = _on_rank0_for_all(planned, "planning", dist)
+    with guard():
+        decided = _on_rank0_for_all(planned, "planning", dist)
     return pipeline.with_plan(decided["pipeline"], decided)      # with its predicted step and peak memory
+
+
+def _saved_profile(path, dist) -> Profile | None:
+    """The profile an earlier run wrote to ``profile_file``, read by rank 0 and sent to every rank (other nodes
+    may not see the file); None when there is none."""
+    if not path:
+        return None
+
+    def read():
+        if not os.path.exists(path):
+            return {"profile": None}
+        found = read_named_file('"pipeline": profile_file', path, Profile.load,
+                                "delete it to profile again, or name a profile an earlier run of this model wrote")
+        return {"profile": found.to_json()}
+    saved = _on_rank0_for_all(read, "reading profile_file", dist)["profile"]
+    return None if saved is None else Profile.from_json(saved)
 
 
 IDLE_FLOOR_S = 1e-4       # layers idling less than this, or for less than half their forward (a compute-bound
@@ -270,18 +307,13 @@ def _reused_plan(pipeline, section: dict, path, module, decision: dict | None = 
     return planned
 
 
-def profile_module(module, training_data, collate_fn, pipeline, dp: int, device, optimizer_bytes: int,
-                   micro_batch=None, agree=None) -> Profile:
-    """Time every layer of ``module`` on ``micro_batch`` (inputs, labels), else the first micro-batch of
-    ``training_data``.
+def profile_module(module, micro_batch, pipeline, dp: int, device, optimizer_bytes: int, agree=None) -> Profile:
+    """Time every layer of ``module`` on ``micro_batch`` (inputs, labels, on ``device``).
 
-    The random state is restored afterwards (the loader's seed, dropout, layers built from specs
-    draw from it), so the training that follows starts exactly as it would without the profile."""
+    The random state is restored afterwards (dropout, layers built from specs draw from it), so the training
+    that follows starts exactly as it would without the profile."""
+    inputs, labels = micro_batch
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        if micro_batch is not None:
-            inputs, labels = to_device(micro_batch[0], device), to_device(micro_batch[1], device)
-        else:
-            inputs, labels = first_micro_batch(training_data, collate_fn, _micro_batch_size(pipeline, dp), device)
         loss_fn = module.loss_fn
         if loss_fn is not None:
             def loss(out):

@@ -8,8 +8,9 @@ and the first ``train_batch`` or ``eval_batch``:
 
 1. takes its first micro-batch on rank 0 (and its tensor group), after the engine's ``batch_fn``, and keeps it
    for the call;
-2. profiles and plans exactly as ``initialize`` does with ``training_data`` (a failure on rank 0 is
-   raised on every rank);
+2. profiles and plans exactly as ``initialize`` does with ``training_data`` (a failure on rank 0 alone is
+   raised on every rank; one that strands the others in a collective, such as a tensor rank's while its group
+   profiles, ends every rank within seconds through the fault monitor, naming it);
 3. builds the engine of the chosen plan on the same module, as ``initialize`` would have, and moves it
    into the engine object the script holds (what the script set on it since: ``batch_fn``, the data
    iterator, the batch size, comes along); a stock checkpoint loaded into the provisional engine is
@@ -82,17 +83,20 @@ class DeferredPlan:
             first[0] = batch
             return {"ok": True}
         # a rank's failure here (a tensor rank's, in a collective with rank 0) ends every rank (runtime.faults)
-        guard = self.guard('"schedule": "auto" (profiling and planning at the first call)', self.pipeline.timeout_s,
-                           engine._fault_epoch) if self.guard is not None else contextlib.nullcontext()
-        with guard:
+        def guard():
+            if self.guard is None:
+                return contextlib.nullcontext()
+            return self.guard('"schedule": "auto" (profiling and planning at the first call)', self.pipeline.timeout_s,
+                              engine._fault_epoch)
+        with guard():
             # the batch_fn of a tensor rank fed by tensor rank 0 receives its batch in a collective
             _on_rank0_for_all(take_first, "taking the first micro-batch to profile", dist, also=profilers,
                               together=fed_by_tensor_rank0)
-            micro_batch = first[0] if dist.get_rank() in profilers else ON_RANK0
-            if dist.get_rank() == 0:
-                log.info("schedule auto: planning at the first call, on its first micro-batch")
-            pipeline = resolve(engine.module, self.pipeline, self.config, optimizer=self.optimizer,
-                               micro_batch=micro_batch, host_cost=self.host_cost)
+        micro_batch = first[0] if dist.get_rank() in profilers else ON_RANK0
+        if dist.get_rank() == 0:
+            log.info("schedule auto: planning at the first call, on its first micro-batch")
+        pipeline = resolve(engine.module, self.pipeline, self.config, optimizer=self.optimizer,
+                           micro_batch=micro_batch, host_cost=self.host_cost, guard=guard)
         self._rebuild(engine, pipeline, iterator)
         if first[0] is not None:
             engine._pending_batches.append(first[0])       # the profiled micro-batch is the call's first

@@ -168,7 +168,7 @@ class ScheduledPipelineEngine(PipelineEngine):
     def train_batch(self, data_iter=None):
         if not torch._C.is_grad_enabled():
             raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
-        if self._deferred_plan is not None:    # raises the same error on every rank, as initialize does
+        if self._deferred_plan is not None:    # its failures end every rank as initialize's do (planner/deferred.py)
             self._deferred_plan.plan_and_rebuild(self, data_iter)
             data_iter = None
         if data_iter is not None:

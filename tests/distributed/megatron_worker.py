@@ -516,7 +516,7 @@ def run_auto_fault(victim: int) -> None:
     except Exception as exc:      # noqa: BLE001  (what the script sees)
         print(f"auto-fault caught at {time.time()}: {type(exc).__name__}: {exc}"[:600], flush=True)
         if dist.get_rank() == victim:
-            time.sleep(8.0)       # beyond the others' end (the monitor's DELIVER_S, the store host's grace)
+            time.sleep(12.0)      # beyond the test's bound: the others must end before this process does
         return
     print("finished the step", flush=True)
 
