@@ -158,8 +158,9 @@ def cmd_simulate(args) -> int:
     if args.layer_busy_ms and not args.layer_idle_ms:
         raise ValueError("--layer-busy-ms is the compute after each wait of --layer-idle-ms: give --layer-idle-ms too")
     if args.measure_dispatch:
+        from .planner.deepspeed import SHAPED_ROUNDS
         from .runtime.host_cost import measure_dispatch
-        shaped = {"idle_s": args.layer_idle_ms / 1e3, "busy_s": args.layer_busy_ms / 1e3, "rounds": 15} \
+        shaped = {"idle_s": args.layer_idle_ms / 1e3, "busy_s": args.layer_busy_ms / 1e3, "rounds": SHAPED_ROUNDS} \
             if args.layer_idle_ms else {}
         args.cost_dispatch = measure_dispatch(**shaped)
         around = (f"around layers idling {args.layer_idle_ms:g} ms, then computing {args.layer_busy_ms:g} ms"

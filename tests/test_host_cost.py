@@ -179,7 +179,7 @@ def test_the_profile_sees_how_long_a_layer_leaves_the_core_idle():
 
 
 def test_the_planner_measures_around_layers_that_wait_as_the_models_do():
-    from ds_chimera.planner.deepspeed import BUSY_CAP_S, IDLE_CAP_S, _around_layers
+    from ds_chimera.planner.deepspeed import BUSY_CAP_S, IDLE_CAP_S, SHAPED_ROUNDS, _around_layers
 
     def measure(**shape):
         return shape
@@ -190,7 +190,7 @@ def test_the_planner_measures_around_layers_that_wait_as_the_models_do():
     assert _around_layers(measure, [layer(0.004, 0.0), layer(0.002, 0.00001)]) is measure   # compute-bound: warm
     assert _around_layers(measure, [layer(0.1, 0.002)]) is measure         # descheduled 2% of the time: still warm
     shaped = _around_layers(measure, [layer(0.004, 0.003), layer(0.002, 0.001)])
-    assert shaped() == {"rounds": 15, "idle_s": pytest.approx(0.002), "busy_s": pytest.approx(0.001)}
+    assert shaped() == {"rounds": SHAPED_ROUNDS, "idle_s": pytest.approx(0.002), "busy_s": pytest.approx(0.001)}
     capped = _around_layers(measure, [layer(0.5, 0.4)])()
     assert capped["idle_s"] == IDLE_CAP_S and capped["busy_s"] == BUSY_CAP_S
     assert _around_layers(None, [layer(0.004, 0.003)]) is None

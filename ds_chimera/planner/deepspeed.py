@@ -172,6 +172,7 @@ def _saved_profile(path, dist) -> Profile | None:
 IDLE_FLOOR_S = 1e-4       # layers idling less than this, or for less than half their forward (a compute-bound
 IDLE_SHARE = 0.5          # layer descheduled now and then), leave the core warm: measured around near-free layers
 IDLE_CAP_S, BUSY_CAP_S = 0.003, 0.002    # the core is about as cold after 3 ms idle as after 10; bounds the timing
+SHAPED_ROUNDS = 8         # rounds of the host-time measurement around waiting layers: about 2.7 s on CPU
 
 
 def _around_layers(host_cost, layers):
@@ -184,7 +185,7 @@ def _around_layers(host_cost, layers):
     fwd = sum(layer.fwd for layer in layers) / len(layers)
     if idle < IDLE_FLOOR_S or idle < IDLE_SHARE * fwd:
         return host_cost
-    return functools.partial(host_cost, rounds=15, idle_s=min(idle, IDLE_CAP_S),
+    return functools.partial(host_cost, rounds=SHAPED_ROUNDS, idle_s=min(idle, IDLE_CAP_S),
                              busy_s=min(max(fwd - idle, 0.0), BUSY_CAP_S))
 
 

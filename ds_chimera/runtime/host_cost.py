@@ -176,7 +176,8 @@ def layer_costs(make_layer, width: int, device, rounds: int, clock=None) -> dict
 def measure_dispatch(device="cpu", rounds: int = 30, width: int = 16, layer=None, idle_s: float = 0.0,
                      busy_s: float = 0.0) -> float:
     """Seconds of the runtime's host time per compute action on this process (see the module docstring):
-    the median over ``rounds`` runs of the one-rank program, per action, less the layer's own costs.
+    the median over ``rounds`` runs of the one-rank program, each less the layer's own costs timed beside it,
+    per action (:func:`time_per_action`).
 
     ``layer``: a function making the layer each chunk holds (a module mapping a (1, ``width``) tensor to one of
     the same shape, with a parameter and an input gradient); near-free by default. ``idle_s`` (> 0, no
@@ -209,20 +210,30 @@ def one_rank_program() -> tuple:
     return schedule, schedule.lower().ops[0]
 
 
+PAIRED_REPS = 7       # the layers' own costs timed this many times in each round, beside that round's run
+
+
 def time_per_action(run, make_layer, width: int, device, rounds: int, clock=None) -> float:
     """Seconds per compute action of ``run()``, a call that runs :data:`PROGRAM` once over chunks of one
     ``make_layer()`` layer each, less the layers' own costs and the loss: the host time per action of whatever
     runs the program (the runtime's executor here; the Megatron contract in ``benchmarks/schedules.py``).
-    The median over ``rounds`` calls, after three to warm up (allocations, the engine's first calls).
-    ``clock`` (the layers' :class:`Shape`): their waits, read in each run, are left out of it and of the layers'
-    costs, so a wait's wake-up, which varies from call to call, is not taken for the runtime's."""
+    Each of ``rounds`` rounds, after three calls to warm up (allocations, the engine's first calls), times one
+    call and then the layers' own costs (:data:`PAIRED_REPS` times each), and takes the difference: the host's
+    speed drifts (other ranks, other work), and a difference of two timings taken apart from each other carries
+    the drift between them (a spread of 0.005-0.145 ms per action over eight measurements around waiting
+    layers; 0.039-0.079 paired: docs/investigations/zero-bubble-host-time.md, part 7). The median over the
+    rounds. ``clock`` (the layers' :class:`Shape`): their waits, read in each run, are left out of it and of the
+    layers' costs, so a wait's wake-up, which varies from call to call, is not taken for the runtime's."""
     schedule, ops = one_rank_program()
     kinds = [str(op.kind) for op in ops if type(op) is Action]
     last = {c.index for c in schedule.placement.chunks if schedule.placement.next_chunk(c.index) is None}
     losses = sum(1 for op in ops if type(op) is Action and op.kind == FORWARD and op.chunk in last)
     for _ in range(3):
         run()
-    times = [_outside_waits(run, clock)[0] for _ in range(rounds)]
-    own = layer_costs(make_layer, width, device, rounds, clock)
-    layers = sum(own.get(kind, own["I"] + own["W"] if kind == "B" else 0.0) for kind in kinds)
-    return max(0.0, (statistics.median(times) - layers - losses * own["loss"]) / len(kinds))
+    per_action = []
+    for _ in range(rounds):
+        seconds = _outside_waits(run, clock)[0]
+        own = layer_costs(make_layer, width, device, PAIRED_REPS, clock)
+        layers = sum(own.get(kind, own["I"] + own["W"] if kind == "B" else 0.0) for kind in kinds)
+        per_action.append((seconds - layers - losses * own["loss"]) / len(kinds))
+    return max(0.0, statistics.median(per_action))
