@@ -474,7 +474,7 @@ def test_a_profile_file_is_read_on_rank0_and_sent_to_every_rank(tmp_path):
     profile.save(str(path))
     rank0 = _OneRankOfFour(0, sent="unused")
     assert _saved_profile(str(path), rank0).layers == profile.layers and rank0.broadcasts == 1
-    elsewhere = _OneRankOfFour(2, sent={"profile": profile.to_json()})
+    elsewhere = _OneRankOfFour(2, sent={"value": profile.to_json()})
     assert _saved_profile(str(tmp_path / "not-on-this-node.json"), elsewhere).layers == profile.layers
     assert _saved_profile(str(tmp_path / "none.json"), _OneRankOfFour(0, sent="unused")) is None
     assert _saved_profile(None, _OneRankOfFour(3)) is None        # no file named: nothing read, nothing sent

@@ -128,7 +128,7 @@ def _initialize_pipeline(original, call: dict, pipeline, loaded: dict, profile_b
     if deferred is not None:
         from deepspeed.accelerator import get_accelerator
 
-        from ..planner.deferred import rng_devices
+        from ..planner.profile import rng_devices
         rng = torch.random.fork_rng(devices=rng_devices(get_accelerator().device_name(model.local_rank)))
     else:
         rng = contextlib.nullcontext()

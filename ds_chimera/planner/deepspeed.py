@@ -31,7 +31,7 @@ from ..named_files import load_json, read_named_file
 from ..tensor_tree import to_device
 from .memory import GIB
 from .optimizer_cost import measured_step_s
-from .profile import Profile, profile_layers
+from .profile import Profile, profile_layers, rng_devices
 from .search import Budget, Setting, plan
 
 log = get_logger()
@@ -95,7 +95,7 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
             if micro_batch is not None:
                 taken["batch"] = (to_device(micro_batch[0], device), to_device(micro_batch[1], device))
             else:
-                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the loader's draws
+                with torch.random.fork_rng(devices=rng_devices(device)):  # the loader's draws
                     taken["batch"] = first_micro_batch(training_data, collate_fn, _micro_batch_size(pipeline, dp),
                                                        device)
             return {"ok": True}
@@ -154,18 +154,10 @@ def resolve(module, pipeline, config: dict, training_data=None, collate_fn=None,
 
 
 def _saved_profile(path, dist) -> Profile | None:
-    """The profile an earlier run wrote to ``profile_file``, read by rank 0 and sent to every rank (other nodes
-    may not see the file); None when there is none."""
-    if not path:
-        return None
-
-    def read():
-        if not os.path.exists(path):
-            return {"profile": None}
-        found = read_named_file('"pipeline": profile_file', path, Profile.load,
-                                "delete it to profile again, or name a profile an earlier run of this model wrote")
-        return {"profile": found.to_json()}
-    saved = _on_rank0_for_all(read, "reading profile_file", dist)["profile"]
+    """The profile an earlier run wrote to ``profile_file`` (rank 0's, sent to every rank); None when there is none."""
+    saved = _read_on_rank0(path, dist, lambda found: read_named_file(
+        '"pipeline": profile_file', found, Profile.load,
+        "delete it to profile again, or name a profile an earlier run of this model wrote").to_json())
     return None if saved is None else Profile.from_json(saved)
 
 
@@ -198,19 +190,20 @@ def _on_rank0_for_all(work, what: str, dist, also=(0,), together: bool = False):
     reach the broadcast: its failure is raised at once, on it alone, for the caller's fault guard
     (``runtime.faults``) to end every rank within seconds, naming it."""
     rank = dist.get_rank()
+    stranding = together and len(also) > 1      # ``also`` holds rank 0 and its peers
     out, mine = [None], None
     if rank != 0 and rank in also:
         try:
             work()
         except Exception as exc:        # noqa: BLE001  (raised below, unless rank 0 reports a failure for all)
-            if together:
+            if stranding:
                 raise ValueError(_failed(rank, what, exc)) from exc
             mine = exc
     if rank == 0:
         try:
             out[0] = work()
         except Exception as exc:         # noqa: BLE001  (re-raised below, on every rank)
-            if together and len(also) > 1:
+            if stranding:
                 raise ValueError(_failed(rank, what, exc)) from exc
             out[0] = {"error": _failed(rank, what, exc), "raised": exc}
     shared = [{k: v for k, v in out[0].items() if k != "raised"} if isinstance(out[0], dict) else out[0]]
@@ -261,19 +254,27 @@ PLAN_FIX = "delete it to plan again (the run writes a new one), or name the plan
 
 
 def _saved_plan(path, dist):
-    """The ``"pipeline"`` section an earlier run wrote to ``plan_file``, read by rank 0 and sent to every rank
-    (other nodes may not see the file); None when there is none."""
+    """The ``"pipeline"`` section an earlier run wrote to ``plan_file`` (rank 0's, sent to every rank); None when
+    there is none."""
+    return _read_on_rank0(path, dist, lambda found: read_named_file('"pipeline": plan_file', found, _plan_section,
+                                                                    PLAN_FIX))
+
+
+def _read_on_rank0(path, dist, read):
+    """``read(path)`` where rank 0 has the file, sent to every rank (other nodes may not see it); None when no file
+    is named or rank 0 has none. Its ValueError (``read_named_file``'s: the key, the path and the fix) is raised
+    on every rank, as one they agree on."""
     found = [None]
     if path and dist.get_rank() == 0 and os.path.exists(path):
         try:
-            found[0] = read_named_file('"pipeline": plan_file', path, _plan_section, PLAN_FIX)
+            found[0] = {"value": read(path)}
         except ValueError as exc:
             found[0] = {"error": str(exc)}
     if path:
         dist.broadcast_object_list(found, src=0)
-    if isinstance(found[0], dict) and "error" in found[0]:
-        raise ValueError(found[0]["error"])
-    return found[0]
+    if found[0] is not None and "error" in found[0]:
+        raise on_every_rank(ValueError(found[0]["error"]))
+    return None if found[0] is None else found[0]["value"]
 
 
 def _plan_section(path: str) -> dict:
@@ -314,7 +315,7 @@ def profile_module(module, micro_batch, pipeline, dp: int, device, optimizer_byt
     The random state is restored afterwards (dropout, layers built from specs draw from it), so the training
     that follows starts exactly as it would without the profile."""
     inputs, labels = micro_batch
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=rng_devices(device)):
         loss_fn = module.loss_fn
         if loss_fn is not None:
             def loss(out):

@@ -34,6 +34,7 @@ import contextlib
 import torch
 
 from ..logs import get_logger
+from .profile import rng_devices
 
 log = get_logger()
 
@@ -138,7 +139,3 @@ class DeferredPlan:
             engine.load_checkpoint(*args, **kwargs)
 
 
-def rng_devices(device) -> list:
-    """What ``torch.random.fork_rng`` must save besides the CPU generator: ``device`` where it is a GPU."""
-    device = torch.device(device)
-    return [device] if device.type == "cuda" else []

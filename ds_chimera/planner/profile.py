@@ -119,6 +119,12 @@ def _known(cls, fields: dict) -> dict:
     return {k: v for k, v in fields.items() if k in names}
 
 
+def rng_devices(device) -> list:
+    """What ``torch.random.fork_rng`` must save besides the CPU generator: ``device`` where it is a GPU."""
+    device = torch.device(device)
+    return [device] if device.type == "cuda" else []
+
+
 # ---- timing ------------------------------------------------------------------------------------
 
 class _Clock:
@@ -338,7 +344,7 @@ def profile_sequential(layers: list, inputs, loss=None, device=None, micro_batch
     ``loss(output)`` closes the last layer. For ``ds-chimera plan`` outside a training run."""
     device = torch.device(device or "cpu")
     factories = [(f"{i}:{type(layer).__name__}", (lambda layer=layer: layer)) for i, layer in enumerate(layers)]
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=rng_devices(device)):
         costs = profile_layers(factories, inputs, device, loss)
     return Profile(tuple(costs), micro_batch_size=micro_batch_size, device=str(device),
                    optimizer_state_bytes_per_param=optimizer_state_bytes_per_param)

@@ -220,8 +220,8 @@ def time_per_action(run, make_layer, width: int, device, rounds: int, clock=None
     Each of ``rounds`` rounds, after three calls to warm up (allocations, the engine's first calls), times one
     call and then the layers' own costs (:data:`PAIRED_REPS` times each), and takes the difference: the host's
     speed drifts (other ranks, other work), and a difference of two timings taken apart from each other carries
-    the drift between them (a spread of 0.005-0.145 ms per action over eight measurements around waiting
-    layers; 0.039-0.079 paired: docs/investigations/zero-bubble-host-time.md, part 7). The median over the
+    the drift between them (eight measurements around waiting layers: 0.005-0.145 ms per action timed apart,
+    0.061-0.098 paired: docs/investigations/zero-bubble-host-time.md, part 7). The median over the
     rounds. ``clock`` (the layers' :class:`Shape`): their waits, read in each run, are left out of it and of the
     layers' costs, so a wait's wake-up, which varies from call to call, is not taken for the runtime's."""
     schedule, ops = one_rank_program()
